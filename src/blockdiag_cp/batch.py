@@ -1,0 +1,207 @@
+"""`make_cp_blockdiag_batch_and_ctx`: pad and shard a packed batch, build the step state.
+
+Once per step: batch -> document ids -> (ranks agree) -> plan -> sharded tensors and
+a frozen `StepState`. ``train_ctx()`` activates that state so every
+`cp_blockdiag_sdpa` call of the step attends per document across ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from types import MappingProxyType
+from typing import Any, Callable, ContextManager, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from .config import CPConfig
+from .docs import resolve_doc_ids
+from .layout import ShardPlan
+from .state import STEP_SLOT, StepState, build_step_state
+
+#: Sequence-aligned batch keys and the value their padding takes ("pad_token": the
+#: caller's ``padding_token_id``). Floating tensors pad with 0.
+SEQUENCE_KEYS: Mapping[str, Any] = MappingProxyType(
+    {
+        "inputs_embeds": 0,
+        "input_ids": "pad_token",
+        "labels": -100,
+        "shift_labels": -100,
+        "position_ids": 0,
+        "_packed_seq_ids": 0,
+        "loss_mask": 0,
+        "padding_mask": True,
+        "token_type_ids": 0,
+        "visual_pos_masks": False,
+    }
+)
+
+#: Keys that describe the unsharded row (flattening collators); consumed for the
+#: document ids, then dropped because they are wrong for a shard.
+UNSHARDED_ROW_KEYS = ("attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def make_cp_blockdiag_batch_and_ctx(
+    cp_mesh,
+    tp_mesh,
+    batch: dict[str, Any],
+    *,
+    loss_mask: Optional[torch.Tensor] = None,
+    padding_token_id: int = 0,
+    config: Optional[CPConfig] = None,
+) -> tuple[Callable[[], ContextManager], dict[str, Any]]:
+    """Shard a packed batch for block-diagonal CP and return ``(train_ctx, batch)``.
+
+    Args:
+        cp_mesh: the 1-D context-parallel `DeviceMesh` (e.g. ``mesh["cp"]``), or
+            None for a single process (world 1: documents are still masked).
+        tp_mesh: accepted for the ``_cp_make_batch_fn`` signature; unused.
+        batch: exactly one of ``inputs_embeds [1, S, E]`` (sliced differentiably, so
+            gradients reach the full tensor) or ``input_ids [1, S]``. Mutated in
+            place: ``attention_mask`` and flattening metadata are dropped,
+            ``padding_mask [1, L]`` (True = pad) is added, ``position_ids`` are added
+            when absent (0..S-1, as the unsharded model would use), and every
+            sequence-aligned tensor (`SEQUENCE_KEYS`; ``position_ids`` may be
+            ``[3, 1, S]`` mRoPE) is padded and reduced to this rank's ``L`` positions.
+        loss_mask: optional ``[1, S]`` per-token loss mask, padded with 0, sharded and
+            stored as ``batch["loss_mask"]``.
+        padding_token_id: the fill of padded ``input_ids``.
+        config: `CPConfig` (exchange, kernel, layout); default `CPConfig()`.
+
+    Returns:
+        ``(train_ctx, batch)``: ``train_ctx()`` returns the context manager that
+        activates this step; run forward *and* backward inside it.
+    """
+    config = CPConfig() if config is None else config
+    if not isinstance(config, CPConfig):
+        raise TypeError(f"config must be a CPConfig, got {type(config).__name__}")
+    world, rank, group = _cp_group(cp_mesh)
+    if loss_mask is not None:
+        batch["loss_mask"] = loss_mask
+    primary_key, S, device = _check_batch(batch)
+    doc_ids_1S = resolve_doc_ids(batch, S, device, 1)
+    if group is not None and config.check_ranks_agree:
+        _check_ranks_agree(doc_ids_1S, config, group, device)
+    for key in UNSHARDED_ROW_KEYS:
+        batch.pop(key, None)
+    batch.setdefault("position_ids", torch.arange(S, device=device).unsqueeze(0))
+    batch["padding_mask"] = doc_ids_1S == 0
+    state = build_step_state(doc_ids_1S[0], world, rank, group, config, device)
+    _shard_batch(batch, state.plan, rank, padding_token_id)
+    return functools.partial(STEP_SLOT.activate, state), batch
+
+
+def make_cp_batch_and_ctx(cp_mesh, tp_mesh, batch: dict[str, Any], **kwargs):
+    """Generic CP entry (seed): a model-owned ``batch["_cp_make_batch_fn"]`` wins.
+
+    The hook is popped from the batch and called as ``fn(cp_mesh, tp_mesh, batch,
+    **kwargs)``; without one, the block-diagonal path runs.
+    """
+    hook = batch.pop("_cp_make_batch_fn", None)
+    if hook is not None:
+        if not callable(hook):
+            raise TypeError(f"batch['_cp_make_batch_fn'] must be callable, got {type(hook).__name__}")
+        return hook(cp_mesh, tp_mesh, batch, **kwargs)
+    return make_cp_blockdiag_batch_and_ctx(cp_mesh, tp_mesh, batch, **kwargs)
+
+
+def _cp_group(cp_mesh) -> tuple[int, int, Any]:
+    """``(world, rank, group)`` of the CP mesh; ``(1, 0, None)`` for None."""
+    if cp_mesh is None:
+        return 1, 0, None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(cp_mesh, DeviceMesh):
+        raise TypeError(f"cp_mesh must be a DeviceMesh (e.g. mesh['cp']) or None, got {type(cp_mesh).__name__}")
+    if cp_mesh.ndim != 1:
+        raise ValueError(f"cp_mesh must be 1-D; pass the CP sub-mesh, e.g. mesh['cp'] (got {cp_mesh.ndim}-D)")
+    world, group = cp_mesh.size(), cp_mesh.get_group()
+    group_size = dist.get_world_size(group)
+    if group_size != world:
+        raise ValueError(
+            f"the CP process group has {group_size} ranks but cp_mesh has {world}; the sub-group is "
+            "mis-resolved (build the mesh with init_device_mesh and pass mesh['cp'])"
+        )
+    return world, cp_mesh.get_local_rank(), group
+
+
+def _seq_dim(key: str, tensor: torch.Tensor) -> int:
+    return 2 if key == "position_ids" and tensor.dim() == 3 else 1
+
+
+def _check_batch(batch: Mapping[str, Any]) -> tuple[str, int, torch.device]:
+    """Return ``(primary key, S, device)``; `ValueError` for a batch CP cannot shard."""
+    has_embeds, has_ids = batch.get("inputs_embeds") is not None, batch.get("input_ids") is not None
+    if has_embeds == has_ids:
+        raise ValueError("the batch must hold exactly one of 'inputs_embeds' [1, S, E] or 'input_ids' [1, S]")
+    key = "inputs_embeds" if has_embeds else "input_ids"
+    primary = batch[key]
+    if not isinstance(primary, torch.Tensor) or primary.dim() != (3 if has_embeds else 2):
+        raise ValueError(f"batch[{key!r}] must be a tensor shaped [B, S{', E' if has_embeds else ''}]")
+    B, S = primary.shape[:2]
+    if B != 1:
+        raise ValueError(
+            f"block-diagonal CP shards one packed sequence per rank: local batch size must be 1, got {B}. "
+            "Pack the samples into one row (set the local batch size to 1)."
+        )
+    if S == 0:
+        raise ValueError(f"batch[{key!r}] is empty: the sequence must hold at least one token")
+    for name in SEQUENCE_KEYS:
+        t = batch.get(name)
+        if isinstance(t, torch.Tensor):
+            dim = _seq_dim(name, t)
+            batch_dim = 1 if dim == 2 else 0
+            if t.dim() <= dim or t.shape[dim] != S or t.shape[batch_dim] != 1:
+                raise ValueError(
+                    f"batch[{name!r}] {tuple(t.shape)} is not aligned with the sequence: expected "
+                    f"batch size 1 and length {S} on dim {dim}"
+                )
+    return key, S, primary.device
+
+
+def _check_ranks_agree(doc_ids_1S: torch.Tensor, config: CPConfig, group, device: torch.device) -> None:
+    """One small all-gather: every rank must hold the same sequence length, doc ids and config."""
+    ids = doc_ids_1S[0].to(torch.long)
+    weights = torch.arange(ids.numel(), device=ids.device) % 65521 + 1
+    fingerprint = torch.tensor(
+        [ids.numel(), int((ids * weights).sum()), int((ids * ids).sum()), zlib.crc32(repr(config).encode())],
+        dtype=torch.long,
+        device=device,
+    )
+    world = dist.get_world_size(group)
+    gathered = fingerprint.new_empty((world, fingerprint.numel()))
+    dist.all_gather_into_tensor(gathered, fingerprint, group=group)
+    bad = [r for r in range(world) if not torch.equal(gathered[r], gathered[0])]
+    if bad:
+        rows = gathered.cpu().tolist()
+        raise ValueError(
+            "ranks of one CP group disagree on the packed row (sequence length, document ids or CPConfig); "
+            f"each CP rank must get the same batch. [S, id checksums, config crc] per rank: {rows}"
+        )
+
+
+def _shard_batch(batch: dict[str, Any], plan: ShardPlan, rank: int, padding_token_id: int) -> None:
+    """Pad every sequence-aligned tensor to ``plan.padded_len`` and keep `rank`'s positions."""
+    start = plan.contiguous_start(rank)
+    positions = plan.rank_positions(rank)
+    for key, fill in SEQUENCE_KEYS.items():
+        t = batch.get(key)
+        if not isinstance(t, torch.Tensor):
+            continue
+        dim = _seq_dim(key, t)
+        pad_value = padding_token_id if fill == "pad_token" else fill
+        padded = _pad(t, dim, plan.padded_len, 0 if t.is_floating_point() else pad_value)
+        if start is not None:
+            batch[key] = padded.narrow(dim, start, plan.local_len)
+        else:
+            batch[key] = padded.index_select(dim, positions.to(t.device))
+
+
+def _pad(t: torch.Tensor, dim: int, length: int, value) -> torch.Tensor:
+    missing = length - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t, torch.full(shape, value, dtype=t.dtype, device=t.device)], dim=dim)

@@ -1,0 +1,48 @@
+"""`allgather`: every rank gathers every rank's K/V (the seed's exchange), fused [K;V].
+
+One all-gather of ``[L, 2, Hk, D]`` rows forward, one reduce-scatter backward. The
+key buffer is then the needed part of the gathered rows: a view when the layout is
+contiguous, an index otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import BufferExchange, ExchangeSetup, Traffic
+from .collectives import AllGatherRows
+
+
+class AllGatherExchange(BufferExchange):
+    name = "allgather"
+
+    def __init__(self, setup: ExchangeSetup) -> None:
+        geometry, L, W = setup.geometry, setup.local_len, setup.world
+        needed = geometry.needed_positions(setup.rank)
+        self.group = setup.group
+        self._rows = W * L
+        self._local_len = L
+        gathered_row = geometry.owner * L + geometry.local_index  # [S_pad]
+        if geometry.plan.layout == "contiguous":
+            lo = int(needed[0]) if needed.numel() else 0
+            hi = int(needed[-1]) + 1 if needed.numel() else 0
+            self._slice: tuple[int, int] | None = (lo, hi - lo)
+            self._index = None
+            buffer_positions = torch.arange(lo, hi)
+        else:
+            self._slice = None
+            self._index = gathered_row[needed].to(setup.device)
+            buffer_positions = needed
+        super().__init__(setup, buffer_positions)
+
+    @property
+    def traffic(self) -> Traffic:
+        """A ring all-gather sends and receives every other rank's rows; reduce-scatter likewise."""
+        moved = self._rows - self._local_len
+        return Traffic(moved, moved, moved, moved)
+
+    def fetch(self, kv_L2HD: torch.Tensor) -> torch.Tensor:
+        gathered = AllGatherRows.apply(kv_L2HD, self.group)
+        if self._slice is not None:
+            return gathered.narrow(0, *self._slice)
+        return gathered.index_select(0, self._index)

@@ -1,0 +1,24 @@
+"""`local`: one rank owns the whole row; nothing to exchange (world == 1)."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import BufferExchange, ExchangeSetup, Traffic
+
+
+class LocalExchange(BufferExchange):
+    """The key buffer is the local rows themselves (used whenever world == 1)."""
+
+    name = "local"
+
+    def __init__(self, setup: ExchangeSetup) -> None:
+        assert setup.world == 1
+        super().__init__(setup, setup.geometry.plan.rank_positions(0))
+
+    @property
+    def traffic(self) -> Traffic:
+        return Traffic(0, 0, 0, 0)
+
+    def fetch(self, kv_L2HD: torch.Tensor) -> torch.Tensor:
+        return kv_L2HD

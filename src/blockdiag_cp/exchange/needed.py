@@ -1,0 +1,104 @@
+"""Needed-only exchanges: each rank receives exactly the K/V rows its queries see.
+
+Note [Needed-only exchange plan]
+--------------------------------
+From the replicated need matrix (Note [Who needs which keys]) every rank derives,
+without a collective, for every pair (src, dst) the positions src owns that dst
+needs. Rank r then:
+
+    sends    rows of its local K/V, grouped by destination rank (ascending positions)
+    receives rows grouped by source rank (ascending positions)
+    buffer = cat([local rows, received rows])[assemble]   # ascending positions
+
+Backward reverses it: the received rows' gradients go back to their owners and are
+added to the owners' local gradients. Only the transport differs:
+
+    a2a    one all-to-all-v over the group (documents spanning any number of ranks)
+    halo   point-to-point with the left neighbour only (valid while every rank's
+           missing keys are owned by its left neighbour: with the contiguous layout,
+           no document spans more than two ranks)
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import torch
+
+from .base import BufferExchange, ExchangeSetup, Traffic
+from .collectives import AllToAllRows, P2PRows
+
+
+class NeededOnlyExchange(BufferExchange):
+    """Shared plan of `a2a` and `halo` (Note [Needed-only exchange plan])."""
+
+    def __init__(self, setup: ExchangeSetup) -> None:
+        geometry, rank, L = setup.geometry, setup.rank, setup.local_len
+        owner, local_index = geometry.owner, geometry.local_index
+        transfer = geometry.transfer_rows()  # [dst, src]
+        self.group = setup.group
+        self.send_splits = transfer[:, rank].tolist()
+        self.recv_splits = transfer[rank, :].tolist()
+        self.any_transfer = bool(transfer.any())
+        # rows this rank sends, grouped by destination, ascending positions
+        send = [torch.nonzero(geometry.need_WS[dst] & (owner == rank)).flatten() for dst in range(setup.world)]
+        send[rank] = send[rank][:0]
+        self.send_rows = local_index[torch.cat(send)].to(setup.device)
+        # buffer = cat([local, received])[assemble]
+        needed = geometry.needed_positions(rank)
+        src = owner[needed]
+        recv_offset = torch.cumsum(torch.tensor([0] + self.recv_splits[:-1]), dim=0)
+        order_in_src = torch.zeros_like(needed)
+        for j in range(setup.world):
+            at_j = src == j
+            order_in_src[at_j] = torch.arange(int(at_j.sum()))
+        assemble = torch.where(src == rank, local_index[needed], L + recv_offset[src] + order_in_src)
+        self.assemble = assemble.to(setup.device)
+        super().__init__(setup, needed)
+
+    @property
+    def traffic(self) -> Traffic:
+        sent, recv = sum(self.send_splits), sum(self.recv_splits)
+        return Traffic(sent, recv, recv, sent)
+
+    @abstractmethod
+    def transport(self, rows_TX: torch.Tensor) -> torch.Tensor:
+        """Differentiable: rows grouped by destination -> rows grouped by source."""
+
+    def fetch(self, kv_L2HD: torch.Tensor) -> torch.Tensor:
+        if not self.any_transfer:
+            return kv_L2HD.index_select(0, self.assemble)
+        received = self.transport(kv_L2HD.index_select(0, self.send_rows))
+        return torch.cat([kv_L2HD, received]).index_select(0, self.assemble)
+
+
+class AllToAllExchange(NeededOnlyExchange):
+    name = "a2a"
+
+    def transport(self, rows_TX: torch.Tensor) -> torch.Tensor:
+        return AllToAllRows.apply(rows_TX, self.send_splits, self.recv_splits, self.group)
+
+
+class HaloExchange(NeededOnlyExchange):
+    name = "halo"
+
+    def __init__(self, setup: ExchangeSetup) -> None:
+        reason = halo_unsupported_reason(setup)
+        assert reason is None, reason
+        super().__init__(setup)
+
+    def transport(self, rows_TX: torch.Tensor) -> torch.Tensor:
+        return P2PRows.apply(rows_TX, self.send_splits, self.recv_splits, self.group)
+
+
+def halo_unsupported_reason(setup: ExchangeSetup) -> str | None:
+    """Why `halo` cannot serve this step (None if it can): a rank needs keys beyond its left neighbour."""
+    transfer = setup.geometry.transfer_rows()
+    W = setup.world
+    for dst in range(W):
+        for src in range(W):
+            if transfer[dst, src] and src != (dst - 1) % W:
+                return f"rank {dst} needs keys owned by rank {src}, not its left neighbour"
+            if transfer[dst, src] and dst == 0:
+                return "rank 0 needs keys from the last rank (the layout wraps)"
+    return None

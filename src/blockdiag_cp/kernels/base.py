@@ -1,0 +1,173 @@
+"""The kernel interface: attention of local query rows over a key buffer, item by item.
+
+Note [Items and bottom-right causal alignment]
+----------------------------------------------
+A CP rank's queries are a few *pieces*: runs of consecutive positions of one
+document. The keys a piece may see are its document's keys up to the piece's last
+position, a contiguous run of rows in the rank's key buffer. One *item* says:
+
+    query rows  [q_start, q_start + q_len)   (rows of the local q tensor)
+    key rows    [k_start, k_start + k_len)   (rows of the key buffer)
+    causal      bottom-right aligned: query i sees keys j <= i + (k_len - q_len)
+
+A piece whose document started on an earlier rank is the *bottom* of a causal block:
+
+            keys ->  (k_len = 7)
+           . . . . . . .
+           . . . . . . .        rows above belong to another rank
+           . . . . . . .
+    q 0    x x x x x . .    <- q_len = 3 queries, the last 3 rows of the block
+    q 1    x x x x x x .
+    q 2    x x x x x x x
+
+With ``causal=False`` every query sees every key of the item (keys that lie wholly
+before the queries, e.g. a block received from another rank in the ring).
+
+Every query row belongs to at most one item of a table. A kernel returns the output
+``o`` and the log-sum-exp ``lse`` of each row (0 and -inf for rows in no item), so
+partial results over different key sets merge exactly; its backward takes the final
+(merged) ``o`` and ``lse``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class ItemTable:
+    """Attention work items of one call (see Note [Items and bottom-right causal alignment]).
+
+    Attributes:
+        q_start, q_len, k_start, k_len: ``[n]`` int64 CPU tensors.
+        causal: ``[n]`` bool CPU tensor (bottom-right aligned when True).
+        num_q_rows: rows of the query tensor (``L``).
+        num_k_rows: rows of the key buffer (``N``).
+    """
+
+    q_start: torch.Tensor
+    q_len: torch.Tensor
+    k_start: torch.Tensor
+    k_len: torch.Tensor
+    causal: torch.Tensor
+    num_q_rows: int
+    num_k_rows: int
+
+    def __post_init__(self) -> None:
+        n = self.q_start.numel()
+        assert all(t.numel() == n for t in (self.q_len, self.k_start, self.k_len, self.causal))
+        if n == 0:
+            return
+        assert bool((self.q_len > 0).all()) and bool((self.k_len > 0).all()), "empty item"
+        assert bool((self.q_len[self.causal] <= self.k_len[self.causal]).all()), "causal needs q_len <= k_len"
+        q_end = self.q_start + self.q_len
+        assert bool((self.q_start[1:] >= q_end[:-1]).all()), "items must hold disjoint, ascending query rows"
+        assert int(q_end[-1]) <= self.num_q_rows and int(self.q_start[0]) >= 0
+        assert int((self.k_start + self.k_len).max()) <= self.num_k_rows and int(self.k_start.min()) >= 0
+
+    @property
+    def size(self) -> int:
+        return self.q_start.numel()
+
+    @staticmethod
+    def empty(num_q_rows: int, num_k_rows: int) -> "ItemTable":
+        zero = torch.zeros(0, dtype=torch.long)
+        return ItemTable(zero, zero, zero, zero, zero.bool(), num_q_rows, num_k_rows)
+
+    def row_key_ranges(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([L], [L])`` int64: each query row sees buffer keys ``[lo, hi)`` (empty: lo == hi)."""
+        lo = torch.zeros(self.num_q_rows, dtype=torch.long)
+        hi = torch.zeros(self.num_q_rows, dtype=torch.long)
+        if self.size == 0:
+            return lo, hi
+        item = torch.repeat_interleave(torch.arange(self.size), self.q_len)
+        first = torch.cumsum(self.q_len, dim=0) - self.q_len
+        offset = torch.arange(item.numel()) - first[item]
+        rows = self.q_start[item] + offset
+        k_end = self.k_start[item] + self.k_len[item]
+        causal_end = self.k_start[item] + (self.k_len - self.q_len)[item] + offset + 1
+        lo[rows] = self.k_start[item]
+        hi[rows] = torch.where(self.causal[item], causal_end, k_end)
+        return lo, hi
+
+    def pairs(self) -> int:
+        """Query-key pairs computed (the causal attention work of this table)."""
+        full = self.q_len * self.k_len
+        tri = self.q_len * (self.k_len - self.q_len) + self.q_len * (self.q_len + 1) // 2
+        return int(torch.where(self.causal, tri, full).sum())
+
+
+class AttentionKernel(ABC):
+    """A local attention kernel: `forward` and `backward` over an `ItemTable`.
+
+    Tensors are one sequence's heads: ``q [H, L, D]``, ``k``/``v`` ``[Hk, N, D]``
+    with ``H % Hk == 0`` (grouped-query attention). `prepare` runs once per step and
+    returns whatever the kernel needs per call (index tensors, varlen metadata).
+    """
+
+    name: ClassVar[str]
+    supports_dropout: ClassVar[bool] = False
+
+    @abstractmethod
+    def prepare(self, items: ItemTable, device: torch.device) -> Any:
+        """Per-step metadata for `items`, built once (host work happens here)."""
+
+    @abstractmethod
+    def forward(
+        self, plan: Any, q_HLD: torch.Tensor, k_HND: torch.Tensor, v_HND: torch.Tensor, scale: float, dropout_p: float
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Return ``(o [H, L, D], lse [H, L] float, aux)``; rows in no item: 0 and -inf."""
+
+    @abstractmethod
+    def backward(
+        self,
+        plan: Any,
+        do_HLD: torch.Tensor,
+        q_HLD: torch.Tensor,
+        k_HND: torch.Tensor,
+        v_HND: torch.Tensor,
+        o_HLD: torch.Tensor,
+        lse_HL: torch.Tensor,
+        aux: Any,
+        scale: float,
+        dropout_p: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients ``(dq, dk, dv)`` of this table's keys, given the final ``o`` and ``lse``."""
+
+
+class ItemAttention(torch.autograd.Function):
+    """``o = attention(q, k, v)`` over an item table; backward through the kernel."""
+
+    @staticmethod
+    def forward(ctx, q_HLD, k_HND, v_HND, kernel: AttentionKernel, plan: Any, scale: float, dropout_p: float):
+        o_HLD, lse_HL, aux = kernel.forward(plan, q_HLD, k_HND, v_HND, scale, dropout_p)
+        ctx.save_for_backward(q_HLD, k_HND, v_HND, o_HLD, lse_HL)
+        ctx.kernel, ctx.plan, ctx.aux, ctx.scale, ctx.dropout_p = kernel, plan, aux, scale, dropout_p
+        return o_HLD
+
+    @staticmethod
+    def backward(ctx, do_HLD):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.kernel.backward(
+            ctx.plan, do_HLD.contiguous(), q, k, v, o, lse, ctx.aux, ctx.scale, ctx.dropout_p
+        )
+        return dq, dk, dv, None, None, None, None
+
+
+def merge_partial(
+    o_acc: torch.Tensor, lse_acc: torch.Tensor, o_new: torch.Tensor, lse_new: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of two softmax partial results over disjoint key sets.
+
+    ``o [..., D]`` and ``lse [...]``; rows where both lse are -inf stay (0, -inf).
+    """
+    lse = torch.logaddexp(lse_acc, lse_new)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    w_acc = torch.exp(lse_acc - safe).unsqueeze(-1)
+    w_new = torch.exp(lse_new - safe).unsqueeze(-1)
+    o = o_acc.to(w_acc.dtype) * w_acc + o_new.to(w_acc.dtype) * w_new
+    return o.to(o_acc.dtype), lse

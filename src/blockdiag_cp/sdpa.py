@@ -1,0 +1,110 @@
+"""`cp_blockdiag_sdpa`: a drop-in for `F.scaled_dot_product_attention` under block-diagonal CP.
+
+Outside an active step it is stock SDPA. Inside one (``with train_ctx():``) the
+local queries attend, causally, to exactly the keys of their own document, wherever
+those keys live: state -> exchange -> kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .state import STEP_SLOT, StepState
+
+logger = logging.getLogger(__name__)
+
+
+def cp_blockdiag_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    **kwargs,
+) -> torch.Tensor:
+    """Scaled dot-product attention; per-document causal CP attention inside a step.
+
+    Args:
+        query: ``[1, H, L, D]`` local queries (``L`` = this rank's shard length).
+        key, value: ``[1, Hk, L, D]`` local keys/values; ``H % Hk == 0``.
+        attn_mask, is_causal: used only outside a step; inside, the mask comes from
+            the document ids (causal within each document, nothing across).
+        dropout_p: attention dropout probability (routed to a kernel supporting it).
+        scale: softmax scale, default ``1 / sqrt(D)``.
+        enable_gqa: allow ``Hk < H`` (as in SDPA); inside a step equal heads or
+            ``enable_gqa=True`` are required when ``Hk != H``.
+        **kwargs: accepted for signature compatibility with callers; unused.
+
+    Returns:
+        ``[1, H, L, D]``, dtype of `query`. Padding rows are zeros.
+    """
+    state = STEP_SLOT.current()
+    if state is None:
+        _refuse_late_recompute(query)
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+            scale=scale, enable_gqa=enable_gqa,
+        )
+    _check_step_shapes(state, query, key, value, enable_gqa)
+    kernel = _kernel_for(state, dropout_p)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    out_HLD = state.exchange.attend(query[0], key[0], value[0], kernel, scale, float(dropout_p))
+    return out_HLD.unsqueeze(0)
+
+
+def _refuse_late_recompute(query: torch.Tensor) -> None:
+    """Raise if backward recomputes a CP layer after its step's ``train_ctx()`` exited.
+
+    Activation checkpointing re-runs attention during ``loss.backward()``; outside
+    the step it would silently compute unsharded, unmasked attention.
+    """
+    last = STEP_SLOT.last_exited()
+    in_backward = torch._C._current_graph_task_id() != -1
+    if last is not None and in_backward and query.dim() == 4 and query.shape[-2] == last.local_len:
+        raise RuntimeError(
+            "attention was recomputed in backward (activation checkpointing) after the "
+            "block-diagonal CP step ended; call loss.backward() inside `with train_ctx():`"
+        )
+
+
+def _check_step_shapes(state: StepState, query, key, value, enable_gqa: bool) -> None:
+    """`ValueError` unless q/k/v are this rank's ``[1, H, L, D]`` shards."""
+    L = state.local_len
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() != 4 or t.shape[0] != 1 or t.shape[2] != L:
+            raise ValueError(
+                f"inside a block-diagonal CP step, {name} must be [1, heads, {L}, head_dim] "
+                f"(this rank's shard of length {L}), got {tuple(t.shape)}"
+            )
+    if key.shape != value.shape:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same shape")
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(f"query head_dim {query.shape[-1]} != key head_dim {key.shape[-1]}")
+    H, Hk = query.shape[1], key.shape[1]
+    if H % Hk:
+        raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({Hk})")
+    if H != Hk and not enable_gqa:
+        raise ValueError(f"query has {H} heads and key/value {Hk}: pass enable_gqa=True for grouped-query attention")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise ValueError(f"query, key and value dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}")
+
+
+def _kernel_for(state: StepState, dropout_p: float):
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p == 0.0 or state.kernel.supports_dropout:
+        return state.kernel
+    if state.dropout_kernel is not None:
+        return state.dropout_kernel
+    raise ValueError(
+        f"kernel={state.kernel.name!r} has no attention dropout; use CPConfig(kernel='dense') "
+        "or kernel='auto', or dropout_p=0"
+    )

@@ -1,0 +1,149 @@
+"""The frozen per-step state and the process-wide slot that holds the active one.
+
+Note [Why a process-wide slot, not a ContextVar]
+------------------------------------------------
+`cp_blockdiag_sdpa` is a drop-in for SDPA, so it finds the step through a lookup,
+not an argument. The lookup must work from any thread: activation checkpointing
+re-runs a layer's forward inside backward, and the autograd engine may run that on
+its own worker thread, where a `ContextVar` set by the training thread is invisible.
+So the active step lives in one `StepSlot` per process, guarded by a lock. It is the
+only module-level object that changes, and only through `StepSlot.activate`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+
+from .config import CPConfig
+from .exchange import KVExchange, Traffic
+from .geometry import StepGeometry
+from .kernels import AttentionKernel
+from .layout import ShardPlan, attention_work
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepState:
+    """Everything one CP step needs, computed once (never per layer).
+
+    Attributes:
+        config: the step's `CPConfig`.
+        rank, world: this rank's index in the CP group and the group's size.
+        group: the CP process group (None when world == 1 without a mesh).
+        geometry: replicated document ids, plan and need matrix.
+        exchange: the planned K/V exchange strategy; `exchange_reason` says why.
+        kernel: the attention kernel; `kernel_reason` says why.
+        dropout_kernel: the kernel used when ``dropout_p > 0`` (None: refuse dropout).
+    """
+
+    config: CPConfig
+    rank: int
+    world: int
+    group: Any
+    geometry: StepGeometry
+    exchange: KVExchange
+    exchange_reason: str
+    kernel: AttentionKernel
+    kernel_reason: str
+    dropout_kernel: Optional[AttentionKernel]
+
+    @property
+    def plan(self) -> ShardPlan:
+        return self.geometry.plan
+
+    @property
+    def local_len(self) -> int:
+        return self.geometry.plan.local_len
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[L]``: the padded-sequence positions this rank owns, in local order."""
+        return self.geometry.plan.rank_positions(self.rank)
+
+    @property
+    def traffic(self) -> Traffic:
+        """K/V rows this rank sends/receives per attention call (forward and backward)."""
+        return self.exchange.traffic
+
+    def work_per_rank(self) -> torch.Tensor:
+        """``[world]``: causal attention work (query-key pairs) per rank."""
+        real = self.geometry.doc_ids[: self.plan.seq_len]
+        return attention_work(self.plan, real)
+
+
+class StepSlot:
+    """Holds the active `StepState` for the whole process (Note [Why a process-wide slot])."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state: Optional[StepState] = None
+        self._depth = 0
+        self._last: Optional[StepState] = None
+
+    def current(self) -> Optional[StepState]:
+        with self._lock:
+            return self._state
+
+    def last_exited(self) -> Optional[StepState]:
+        """The state of the most recently exited step (to diagnose late recomputation)."""
+        with self._lock:
+            return self._last
+
+    @contextlib.contextmanager
+    def activate(self, state: StepState) -> Iterator[StepState]:
+        """Make `state` the active step for the duration of the block (re-entrant for the same state)."""
+        with self._lock:
+            if self._state is not None and self._state is not state:
+                raise RuntimeError(
+                    "another block-diagonal CP step is already active; exit its train_ctx() "
+                    "before entering the next one"
+                )
+            self._state, self._depth = state, self._depth + 1
+        try:
+            yield state
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._state, self._last = None, state
+
+
+STEP_SLOT = StepSlot()
+
+
+def current_step() -> Optional[StepState]:
+    """The active step's state, or None outside ``train_ctx()``."""
+    return STEP_SLOT.current()
+
+
+def build_step_state(
+    doc_ids_S: torch.Tensor, world: int, rank: int, group: Any, config: CPConfig, device: torch.device
+) -> StepState:
+    """Plan a step from replicated document ids ``[S]``: layout, exchange, kernel.
+
+    Every input is identical on all ranks of the group (the ranks-agree check runs
+    before this), so every rank reaches the same plan without communicating.
+    """
+    from .exchange import ExchangeSetup, build_exchange
+    from .kernels import DenseKernel, select_kernel
+    from .layout import plan_shards
+
+    plan = plan_shards(doc_ids_S, world, config.layout)
+    geometry = StepGeometry.build(plan, doc_ids_S)
+    kernel, kernel_reason = select_kernel(config.kernel, device)
+    dropout_kernel = DenseKernel() if config.kernel == "auto" and not kernel.supports_dropout else None
+    kernels = (kernel,) if dropout_kernel is None else (kernel, dropout_kernel)
+    setup = ExchangeSetup(geometry, rank, group, kernels, device)
+    exchange, exchange_reason = build_exchange(config.kv_exchange, setup)
+    logger.debug(
+        "blockdiag-cp step: rank %d/%d layout=%s exchange=%s (%s) kernel=%s (%s)",
+        rank, world, plan.layout, exchange.name, exchange_reason, kernel.name, kernel_reason,
+    )
+    return StepState(config, rank, world, group, geometry, exchange, exchange_reason, kernel, kernel_reason, dropout_kernel)
