@@ -17,8 +17,9 @@ import torch.distributed as dist
 
 from .config import CPConfig
 from .docs import resolve_doc_ids
+from .exchange.collectives import all_gather_flat
 from .layout import ShardPlan
-from .state import STEP_SLOT, StepState, build_step_state
+from .state import STEP_SLOT, build_step_state
 
 #: Sequence-aligned batch keys and the value their padding takes ("pad_token": the
 #: caller's ``padding_token_id``). Floating tensors pad with 0.
@@ -170,8 +171,9 @@ def _check_ranks_agree(doc_ids_1S: torch.Tensor, config: CPConfig, group, device
         device=device,
     )
     world = dist.get_world_size(group)
-    gathered = fingerprint.new_empty((world, fingerprint.numel()))
-    dist.all_gather_into_tensor(gathered, fingerprint, group=group)
+    gathered = fingerprint.new_empty(world * fingerprint.numel())
+    all_gather_flat(gathered, fingerprint, group)
+    gathered = gathered.reshape(world, -1)
     bad = [r for r in range(world) if not torch.equal(gathered[r], gathered[0])]
     if bad:
         rows = gathered.cpu().tolist()

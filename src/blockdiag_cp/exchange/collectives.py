@@ -5,6 +5,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); torch 2.9 has only the old.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_flat(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """Concatenate every rank's `x` along dim 0 into `out` (rank order)."""
+    _all_gather_flat(out, x, group=group)
+
 
 class AllGatherRows(torch.autograd.Function):
     """``[L, ...]`` on each rank -> ``[world * L, ...]`` in rank order.
@@ -17,7 +26,7 @@ class AllGatherRows(torch.autograd.Function):
     def forward(ctx, x_LX: torch.Tensor, group) -> torch.Tensor:
         world = dist.get_world_size(group)
         out = x_LX.new_empty((world * x_LX.shape[0], *x_LX.shape[1:]))
-        dist.all_gather_into_tensor(out, x_LX.contiguous(), group=group)
+        all_gather_flat(out, x_LX.contiguous(), group)
         ctx.group = group
         return out
 
@@ -25,7 +34,7 @@ class AllGatherRows(torch.autograd.Function):
     def backward(ctx, grad_WLX: torch.Tensor):
         world = dist.get_world_size(ctx.group)
         out = grad_WLX.new_empty((grad_WLX.shape[0] // world, *grad_WLX.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad_WLX.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
+        _reduce_scatter_flat(out, grad_WLX.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
         return out, None
 
 

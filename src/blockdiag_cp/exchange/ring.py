@@ -1,0 +1,236 @@
+"""`ring`: K/V blocks travel around the ring, overlapped with attention on the block at hand.
+
+Note [Trimmed ring with log-sum-exp merge]
+------------------------------------------
+At hop ``t`` rank ``r`` holds the block of owner ``o = r - t`` (mod world). While it
+attends its queries to that block, it already sends the block on to ``r + 1`` and
+receives the next one from ``r - 1`` (asynchronous point-to-point). Each hop's
+partial output is merged exactly by log-sum-exp, so at most two K/V blocks are
+resident, never the whole sequence.
+
+A block is *trimmed* as it travels: it carries only the rows some rank still ahead
+of it needs (``T[o, t]`` shrinks with ``t``), and is not sent at all once nobody
+downstream needs it. Hops with no visible keys skip the kernel.
+
+    hop:      0          1               2
+    r0:    [B0]  -->  [B3 trimmed]  [B2 trimmed]
+    r1:    [B1]  -->  [B0 trimmed]  [B3 trimmed]   ...
+
+Backward re-circulates the K/V blocks the same way (memory stays bounded) and
+sends each hop's K/V gradients straight back to the block's owner: only the rows
+that rank used. The owner adds them to its own gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..kernels import AttentionKernel, ItemTable, merge_partial
+from .base import ExchangeSetup, KVExchange, Traffic, fuse_kv, split_kv
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One hop's plan for this rank (all index tensors on the device).
+
+    Attributes:
+        items: this rank's queries against the block held at this hop.
+        kernel_plans: per-kernel metadata for `items`.
+        send_index: rows of the held block to send on (None: send nothing).
+        recv_rows: rows of the next block arriving from the left (0: none).
+        grad_send_index: rows of the held block whose gradients go to the owner.
+        grad_recv_rows: own rows whose gradients arrive from the rank holding the
+            own block at this hop (None: none).
+    """
+
+    owner: int
+    items: ItemTable
+    kernel_plans: Any
+    send_index: Optional[torch.Tensor]
+    recv_rows: int
+    grad_send_index: Optional[torch.Tensor]
+    grad_recv_rows: Optional[torch.Tensor]
+
+
+class _P2P:
+    """Posts sends and receives to ring peers at once; `wait` returns the received tensors."""
+
+    def __init__(self, group, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]):
+        ops = [dist.P2POp(dist.isend, t.contiguous(), dist.get_global_rank(group, p), group) for t, p in sends]
+        ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, p), group) for t, p in recvs]
+        self._recvs = [t for t, _ in recvs]
+        self._works = dist.batch_isend_irecv(ops) if ops else []
+
+    def wait(self) -> list[torch.Tensor]:
+        for work in self._works:
+            work.wait()
+        return self._recvs
+
+
+class RingExchange(KVExchange):
+    name = "ring"
+
+    def __init__(self, setup: ExchangeSetup) -> None:
+        self.rank, self.world, self.group = setup.rank, setup.world, setup.group
+        travel = _travel_rows(setup)
+        self.hops = tuple(_plan_hop(setup, travel, t) for t in range(setup.world))
+
+    @property
+    def traffic(self) -> Traffic:
+        kv_sent = sum(0 if h.send_index is None else h.send_index.numel() for h in self.hops)
+        kv_recv = sum(h.recv_rows for h in self.hops)
+        grad_sent = sum(0 if h.grad_send_index is None else h.grad_send_index.numel() for h in self.hops[1:])
+        grad_recv = sum(0 if h.grad_recv_rows is None else h.grad_recv_rows.numel() for h in self.hops[1:])
+        return Traffic(kv_sent, kv_recv, kv_sent + grad_sent, kv_recv + grad_recv)
+
+    def attend(self, q_HLD, k_HLD, v_HLD, kernel, scale, dropout_p):
+        return _RingAttention.apply(q_HLD, k_HLD, v_HLD, self, kernel, scale, dropout_p)
+
+    def circulate(self, t: int, block: torch.Tensor) -> Optional[_P2P]:
+        """Start sending hop t's block on and receiving hop t+1's (None on the last hop)."""
+        if t == self.world - 1:
+            return None
+        hop = self.hops[t]
+        sends = [] if hop.send_index is None else [(block.index_select(0, hop.send_index), (self.rank + 1) % self.world)]
+        recvs = [] if hop.recv_rows == 0 else [(block.new_empty((hop.recv_rows, *block.shape[1:])), (self.rank - 1) % self.world)]
+        return _P2P(self.group, sends, recvs)
+
+    def next_block(self, t: int, pending: Optional[_P2P], block: torch.Tensor) -> torch.Tensor:
+        received = pending.wait() if pending is not None else []
+        return received[0] if received else block[:0]
+
+
+class _RingAttention(torch.autograd.Function):
+    """Attention over all hops of a `RingExchange` (Note [Trimmed ring with log-sum-exp merge])."""
+
+    @staticmethod
+    def forward(ctx, q_HLD, k_HLD, v_HLD, ring: RingExchange, kernel: AttentionKernel, scale: float, dropout_p: float):
+        block = fuse_kv(k_HLD, v_HLD)
+        H, L, D = q_HLD.shape
+        lse_dtype = torch.float64 if q_HLD.dtype == torch.float64 else torch.float32
+        o = torch.zeros(H, L, D, dtype=lse_dtype, device=q_HLD.device)
+        lse = torch.full((H, L), float("-inf"), dtype=lse_dtype, device=q_HLD.device)
+        auxes = []
+        for t, hop in enumerate(ring.hops):
+            pending = ring.circulate(t, block)
+            aux = None
+            if hop.items.size:
+                k, v = split_kv(block)
+                o_t, lse_t, aux = kernel.forward(hop.kernel_plans[kernel.name], q_HLD, k, v, scale, dropout_p)
+                o, lse = merge_partial(o, lse, o_t, lse_t)
+            auxes.append(aux)
+            block = ring.next_block(t, pending, block)
+        o = o.to(q_HLD.dtype)
+        ctx.save_for_backward(q_HLD, k_HLD, v_HLD, o, lse)
+        ctx.ring, ctx.kernel, ctx.auxes, ctx.scale, ctx.dropout_p = ring, kernel, auxes, scale, dropout_p
+        return o
+
+    @staticmethod
+    def backward(ctx, do_HLD):
+        q, k_own, v_own, o, lse = ctx.saved_tensors
+        ring, kernel = ctx.ring, ctx.kernel
+        do_HLD = do_HLD.contiguous()
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        block = fuse_kv(k_own, v_own)
+        d_own = torch.zeros(block.shape, dtype=acc, device=q.device)
+        for t, hop in enumerate(ring.hops):
+            pending = ring.circulate(t, block)
+            d_block = None
+            if hop.items.size:
+                k, v = split_kv(block)
+                dq_t, dk_t, dv_t = kernel.backward(
+                    hop.kernel_plans[kernel.name], do_HLD, q, k, v, o, lse, ctx.auxes[t], ctx.scale, ctx.dropout_p
+                )
+                dq += dq_t
+                d_block = fuse_kv(dk_t, dv_t)
+            _return_block_grads(ring, t, hop, d_block, d_own)
+            block = ring.next_block(t, pending, block)
+        dk, dv = split_kv(d_own)
+        return dq.to(q.dtype), dk.to(k_own.dtype), dv.to(v_own.dtype), None, None, None, None
+
+
+def _return_block_grads(ring: RingExchange, t: int, hop: Hop, d_block: Optional[torch.Tensor], d_own: torch.Tensor) -> None:
+    """Add hop t's own-block gradients locally, or send them to the owner; receive ours."""
+    if t == 0:
+        if d_block is not None:
+            d_own += d_block
+        return
+    sends, recvs = [], []
+    if hop.grad_send_index is not None:
+        grads = d_block.index_select(0, hop.grad_send_index).to(d_own.dtype)
+        sends.append((grads, hop.owner))
+    if hop.grad_recv_rows is not None:
+        holder = (ring.rank + t) % ring.world
+        recvs.append((d_own.new_empty((hop.grad_recv_rows.numel(), *d_own.shape[1:])), holder))
+    received = _P2P(ring.group, sends, recvs).wait()
+    if received:
+        d_own.index_add_(0, hop.grad_recv_rows, received[0])
+
+
+def _travel_rows(setup: ExchangeSetup) -> list[list[torch.Tensor]]:
+    """``travel[o][t]``: rows of owner o's block that arrive at rank o + t (ascending).
+
+    ``travel[o][0]`` is the whole block; for t >= 1 the rows some rank among
+    ``o + t, ..., o + world - 1`` needs.
+    """
+    geometry, W = setup.geometry, setup.world
+    positions = geometry.plan.positions_WL
+    travel = []
+    for o in range(W):
+        used_by = geometry.need_WS[:, positions[o]]  # [W, L]: rank j needs row i of o
+        rows = [torch.arange(positions.shape[1])]
+        downstream = torch.zeros(positions.shape[1], dtype=torch.bool)
+        for t in range(W - 1, 0, -1):
+            downstream |= used_by[(o + t) % W]
+            rows.insert(1, torch.nonzero(downstream).flatten())
+        travel.append(rows)
+    return travel
+
+
+def _plan_hop(setup: ExchangeSetup, travel: list[list[torch.Tensor]], t: int) -> Hop:
+    rank, W, device = setup.rank, setup.world, setup.device
+    owner = (rank - t) % W
+    held = travel[owner][t]
+    items = _hop_items(setup, owner, held)
+    plans = {k.name: k.prepare(items, device) for k in setup.kernels}
+    send_index = recv_rows = None
+    if t < W - 1:
+        onward = travel[owner][t + 1]
+        send_index = torch.searchsorted(held, onward).to(device) if onward.numel() else None
+        recv_rows = travel[(rank - 1 - t) % W][t + 1].numel()
+    used = torch.nonzero(setup.geometry.need_WS[rank, setup.geometry.plan.positions_WL[owner]]).flatten()
+    grad_send = torch.searchsorted(held, used).to(device) if (t > 0 and used.numel()) else None
+    holder = (rank + t) % W
+    mine_used = torch.nonzero(setup.geometry.need_WS[holder, setup.geometry.plan.positions_WL[rank]]).flatten()
+    grad_recv = mine_used.to(device) if (t > 0 and mine_used.numel()) else None
+    return Hop(owner, items, plans, send_index, recv_rows or 0, grad_send, grad_recv)
+
+
+def _hop_items(setup: ExchangeSetup, owner: int, held: torch.Tensor) -> ItemTable:
+    """Items of this rank's pieces over the rows `held` of `owner`'s block.
+
+    Own block: each piece sees its document's own rows up to its end, bottom-right
+    causal in local order (local order is ascending position). Another rank's block:
+    a piece sees that rank's rows of its document that precede it, all of them.
+    """
+    pieces = setup.pieces()
+    owner_pos = setup.geometry.plan.positions_WL[owner]
+    first = torch.searchsorted(owner_pos, pieces.doc_start)
+    if owner == setup.rank:
+        k_start, k_end, causal = first, pieces.local_start + pieces.length, True
+    else:
+        k_start, k_end, causal = first, torch.searchsorted(owner_pos, pieces.global_start), False
+    keep = k_end > k_start
+    k_len = (k_end - k_start)[keep]
+    k_held = torch.searchsorted(held, k_start[keep])
+    if keep.any():
+        assert torch.equal(held[k_held + k_len - 1], k_end[keep] - 1), "ring block lacks a needed row"
+    return ItemTable(
+        pieces.local_start[keep], pieces.length[keep], k_held, k_len,
+        torch.full((int(keep.sum()),), causal, dtype=torch.bool), setup.local_len, held.numel(),
+    )

@@ -1,0 +1,36 @@
+"""Packed rows shared by the multi-process tests: (name, segments). n > 0: a document of
+n tokens; -n: n padding tokens."""
+
+from blockdiag_cp.verify import ParityCase
+
+SCENARIOS = {
+    "straddle": (5, 9, -2, 13, 1, 2, 3, -3, 7),
+    "one_doc_all_ranks": (37,),
+    "tiny_docs": (1, 2, 3, 1, 1, 2, 3, 2, 1, 3, 2, 1, 1, 2, 3, 1, 2, 2, 1, 3),
+    "interior_tail_padding": (4, -3, 6, -2, 5, -4, 3, -1),
+    "padding_ranks": (6, -31),
+    "leading_padding": (-19, 4, 8),
+    "mixed": (2, 17, 1, 1, 9, 3),
+}
+
+EXCHANGES = ("allgather", "halo", "a2a", "ring", "auto")
+KERNELS = ("dense", "sdpa")
+LAYOUTS = ("contiguous", "balanced")
+
+
+def matrix_cases():
+    """Every scenario x exchange x kernel x layout, GQA on some, checkpointing on some."""
+    cases = []
+    gqa = [(4, 4), (8, 2), (4, 1)]
+    for i, (name, segments) in enumerate(SCENARIOS.items()):
+        heads, kv_heads = gqa[i % len(gqa)]
+        for exchange in EXCHANGES:
+            for kernel in KERNELS:
+                for layout in LAYOUTS:
+                    cases.append(ParityCase(segments, heads=heads, kv_heads=kv_heads, head_dim=8,
+                                            kv_exchange=exchange, kernel=kernel, layout=layout, seed=i))
+    for exchange in EXCHANGES:
+        for mode in ("reentrant", "non_reentrant"):
+            cases.append(ParityCase(SCENARIOS["straddle"], heads=8, kv_heads=2, kv_exchange=exchange,
+                                    kernel="sdpa", checkpoint=mode, seed=99))
+    return cases
