@@ -53,6 +53,20 @@ def cp_blockdiag_sdpa(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
             scale=scale, enable_gqa=enable_gqa,
         )
+    return attend_in_step(state, query, key, value, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
+
+
+def attend_in_step(
+    state: StepState,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Per-document causal attention of this rank's ``[1, H, L, D]`` shards under `state`."""
     _check_step_shapes(state, query, key, value, enable_gqa)
     kernel = _kernel_for(state, dropout_p)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_module
 import tempfile
 import traceback
@@ -64,6 +65,7 @@ class ParityCase:
     checkpoint: Optional[str] = None  # None, "reentrant" or "non_reentrant"
     dtype: str = "float64"
     seed: int = 0
+    device: str = "cpu"
 
     @property
     def doc_ids(self) -> torch.Tensor:
@@ -87,9 +89,9 @@ def _case_tensors(case: ParityCase) -> tuple[torch.Tensor, torch.Tensor]:
     S = case.doc_ids.numel()
     width = (case.heads + 2 * case.kv_heads) * case.head_dim
     dtype = getattr(torch, case.dtype)
-    x = torch.randn(1, S, width, generator=gen, dtype=torch.float64).to(dtype)
+    x = torch.randn(1, S, width, generator=gen, dtype=torch.float64).to(device=case.device, dtype=dtype)
     grad = torch.randn(case.heads, S, case.head_dim, generator=gen, dtype=torch.float64)
-    return x, grad
+    return x, grad.to(case.device)
 
 
 def _split_qkv(x_1SX: torch.Tensor, case: ParityCase) -> tuple[torch.Tensor, ...]:
@@ -99,14 +101,25 @@ def _split_qkv(x_1SX: torch.Tensor, case: ParityCase) -> tuple[torch.Tensor, ...
     return tuple(t.reshape(1, t.shape[1], -1, D).transpose(1, 2) for t in (q, k, v))
 
 
-def oracle_case(case: ParityCase) -> tuple[torch.Tensor, torch.Tensor]:
-    """Oracle output ``[H, S, D]`` and input gradient ``[1, S, X]``, float64."""
+def oracle_case(case: ParityCase, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Oracle output ``[H, S, D]`` and input gradient ``[1, S, X]`` computed in `dtype`, as float64.
+
+    In float64 this is the ground truth; in the case's low precision it is the dense
+    reference's own rounding error, the yardstick for low-precision tolerances.
+    """
     x, grad = _case_tensors(case)
-    x = x.to(torch.float64).requires_grad_(True)
+    x = x.to(dtype).requires_grad_(True)
     q, k, v = _split_qkv(x, case)
-    out = oracle_attention(q[0], k[0], v[0], case.doc_ids, 1.0 / math.sqrt(case.head_dim))
-    (out * grad).sum().backward()
-    return out.detach(), x.grad
+    out = oracle_attention(q[0], k[0], v[0], case.doc_ids.to(x.device), 1.0 / math.sqrt(case.head_dim))
+    (out.to(torch.float64) * grad).sum().backward()
+    return out.detach().to(torch.float64), x.grad.to(torch.float64)
+
+
+def reference_error(case: ParityCase) -> tuple[float, float]:
+    """Max output and gradient error of the dense reference run in the case's dtype."""
+    out64, grad64 = oracle_case(case)
+    out_lo, grad_lo = oracle_case(case, getattr(torch, case.dtype))
+    return float((out_lo - out64).abs().max()), float((grad_lo - grad64).abs().max())
 
 
 def run_parity_case(case: ParityCase, cp_mesh) -> ParityResult:
@@ -116,7 +129,7 @@ def run_parity_case(case: ParityCase, cp_mesh) -> ParityResult:
     x, grad = _case_tensors(case)
     x.requires_grad_(True)
     config = CPConfig(kv_exchange=case.kv_exchange, kernel=case.kernel, layout=case.layout)
-    batch = {"inputs_embeds": x, "_packed_seq_ids": case.doc_ids.unsqueeze(0)}
+    batch = {"inputs_embeds": x, "_packed_seq_ids": case.doc_ids.unsqueeze(0).to(x.device)}
     train_ctx, batch = make_cp_blockdiag_batch_and_ctx(cp_mesh, None, batch, config=config)
     with train_ctx() as state:
         positions = state.positions
@@ -128,7 +141,8 @@ def run_parity_case(case: ParityCase, cp_mesh) -> ParityResult:
             reentrant = case.checkpoint == "reentrant"
             out = torch.utils.checkpoint.checkpoint(attend, q, k, v, use_reentrant=reentrant)
         S = case.doc_ids.numel()
-        grad_local = torch.zeros(case.heads, positions.numel(), case.head_dim, dtype=torch.float64)
+        positions = positions.to(x.device)
+        grad_local = torch.zeros(case.heads, positions.numel(), case.head_dim, dtype=torch.float64, device=x.device)
         real = positions < S
         grad_local[:, real] = grad[:, positions[real]]
         (out[0].to(torch.float64) * grad_local).sum().backward()
@@ -136,7 +150,7 @@ def run_parity_case(case: ParityCase, cp_mesh) -> ParityResult:
     if cp_mesh is not None and cp_mesh.size() > 1:
         dist.all_reduce(x_grad, group=cp_mesh.get_group())
     ref_out, ref_grad = oracle_case(case)
-    expected = torch.zeros(case.heads, positions.numel(), case.head_dim, dtype=torch.float64)
+    expected = torch.zeros(case.heads, positions.numel(), case.head_dim, dtype=torch.float64, device=x.device)
     expected[:, real] = ref_out[:, positions[real]]
     t = state.traffic
     return ParityResult(
@@ -158,7 +172,8 @@ def _worker(rank: int, world: int, init_file: str, fn: Callable, args: tuple, re
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
         try:
-            results.put((rank, "ok", fn(rank, world, *args)))
+            # plain pickle bytes: tensors must not travel as shared-memory handles of a process that exits
+            results.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:  # report every failure (even SystemExit) to the parent
@@ -206,7 +221,7 @@ def _collect(results, procs, world: int, timeout: float) -> dict[int, Any]:
             continue
         if status == "error":
             raise RuntimeError(f"rank {rank} failed:\n{payload}")
-        collected[rank] = payload
+        collected[rank] = pickle.loads(payload)
     return collected
 
 

@@ -104,6 +104,12 @@ def plan_fused_calls(items: ItemTable, device: torch.device) -> tuple[FusedCall,
     )
 
 
+def _fold_heads(t_NHLD: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[n, Hk * groups, l, D]`` -> ``[n, Hk, l, D]``: sum each query-head group."""
+    n, H, l, D = t_NHLD.shape
+    return t_NHLD.reshape(n, H // groups, groups, l, D).sum(dim=2)
+
+
 class SdpaKernel(AttentionKernel):
     name = "sdpa"
     supports_dropout = False
@@ -139,12 +145,19 @@ class SdpaKernel(AttentionKernel):
         dq = torch.zeros(q_HLD.shape, dtype=acc, device=q_HLD.device)
         dk = torch.zeros(k_HND.shape, dtype=acc, device=k_HND.device)
         dv = torch.zeros(v_HND.shape, dtype=acc, device=v_HND.device)
+        # In half precision the fused backward sums grouped-query heads in that precision;
+        # expand K/V heads and sum their gradients in float32 instead.
+        groups = q_HLD.shape[0] // k_HND.shape[0] if q_HLD.element_size() < 4 else 1
         for call in plan:
             q, k, v = call.q_rows.take(q_HLD), call.k_rows.take(k_HND), call.k_rows.take(v_HND)
+            if groups > 1:
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
             do, o, lse = (call.q_rows.take(t) for t in (do_HLD, o_HLD, lse_HL))
             dq_p, dk_p, dv_p = self._bwd(
                 do.contiguous(), q, k, v, o.contiguous(), lse.contiguous(), 0.0, call.causal, scale=scale
             )
+            if groups > 1:
+                dk_p, dv_p = (_fold_heads(t.to(acc), groups) for t in (dk_p, dv_p))
             call.q_rows.put(dq, dq_p, accumulate=True)
             call.k_rows.put(dk, dk_p, accumulate=True)
             call.k_rows.put(dv, dv_p, accumulate=True)

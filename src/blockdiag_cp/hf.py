@@ -1,0 +1,118 @@
+"""transformers integration: importing this module registers ``attn_implementation="blockdiag_cp"``.
+
+The only module that imports transformers (``pip install blockdiag-cp[hf]``). It
+uses transformers' public registries, ``AttentionInterface`` and
+``AttentionMaskInterface``; nothing of transformers or torch is monkeypatched.
+
+- Inside a CP step (``with train_ctx():``) attention is block-diagonal CP attention
+  and no mask is built at all.
+- Outside a step, a packed row (documents marked by ``cu_seq_lens_q`` or by
+  ``position_ids`` restarting at 0, as ``DataCollatorWithFlattening`` makes them)
+  still gets per-document attention; any other batch gets stock SDPA with the mask
+  transformers builds for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .config import CPConfig
+from .docs import resolve_doc_ids
+from .sdpa import attend_in_step, cp_blockdiag_sdpa
+from .state import build_step_state, current_step
+
+ATTN_IMPLEMENTATION = "blockdiag_cp"
+
+
+def _refuse_unsupported(module: torch.nn.Module, kwargs: dict[str, Any], longest_doc: Optional[int]) -> None:
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    if window is not None and (longest_doc is None or longest_doc > window):
+        raise ValueError(
+            f"layer {getattr(module, 'layer_idx', '?')} uses sliding-window attention (window {window}) and a "
+            f"document is longer than the window; blockdiag_cp computes full causal attention per document, so it "
+            "refuses rather than be silently wrong. Use documents no longer than the window or another implementation."
+        )
+    for unsupported in ("softcap", "s_aux"):
+        if kwargs.get(unsupported) is not None:
+            raise ValueError(f"blockdiag_cp attention does not support {unsupported!r}")
+
+
+def _packed_doc_ids(query: torch.Tensor, kwargs: dict[str, Any]) -> Optional[torch.Tensor]:
+    """Document ids ``[S]`` of a packed single row outside a step, or None if not packed."""
+    if query.shape[0] != 1:
+        return None
+    S = query.shape[2]
+    marks = {k: kwargs[k] for k in ("cu_seq_lens_q", "position_ids") if kwargs.get(k) is not None}
+    if "cu_seq_lens_q" not in marks:
+        pos = marks.get("position_ids")
+        if pos is None or pos.dim() != 2 or pos.shape[-1] != S or not bool((pos[0, 1:] == 0).any()):
+            return None
+    return resolve_doc_ids(marks, S, query.device, 1)[0]
+
+
+def blockdiag_cp_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``query [B, H, S, D]`` -> ``([B, S, H, D], None)``."""
+    state = current_step()
+    if state is not None:
+        _refuse_unsupported(module, kwargs, _longest_document(state.geometry.doc_ids))
+        out = cp_blockdiag_sdpa(query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+    doc_ids = _packed_doc_ids(query, kwargs)
+    if doc_ids is not None:
+        _refuse_unsupported(module, kwargs, _longest_document(doc_ids))
+        local = build_step_state(doc_ids, 1, 0, None, CPConfig(), query.device)
+        out = attend_in_step(local, query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+    _refuse_unsupported(module, kwargs, None if kwargs.get("sliding_window") else 0)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is None and q_len > 1 and getattr(module, "is_causal", True):
+        # causal, aligned bottom-right (queries are the last q_len positions, as with a cache)
+        attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+        scale=scaling, enable_gqa=key.shape[1] != query.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _longest_document(doc_ids_S: torch.Tensor) -> int:
+    from .docs import run_starts
+
+    starts = torch.nonzero(run_starts(doc_ids_S)).flatten()
+    lengths = torch.diff(starts, append=torch.tensor([doc_ids_S.numel()], device=starts.device))
+    real = doc_ids_S[starts] != 0
+    return int(lengths[real].max()) if bool(real.any()) else 0
+
+
+def blockdiag_cp_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
+    """Mask function: none inside a step or for one unpadded row (the attention derives
+    documents itself); SDPA's mask for padded or multi-row batches."""
+    if current_step() is not None:
+        return None
+    if kwargs.get("attention_mask") is None and kwargs.get("batch_size") == 1:
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+def register() -> str:
+    """Register the implementation (idempotent); return its name for ``attn_implementation``."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, blockdiag_cp_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, blockdiag_cp_mask)
+    return ATTN_IMPLEMENTATION
+
+
+register()
