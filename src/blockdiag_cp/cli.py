@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_attention_args(demo)
     demo.add_argument("--steps", type=_positive, default=8)
     demo.add_argument("--seq-len", type=_positive, default=512)
+    demo.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     demo.add_argument("--out", default="blockdiag_cp_demo.png", help="where to write the PNG")
 
     verify = sub.add_parser("verify", help="compare CP attention with a float64 oracle for your settings")
