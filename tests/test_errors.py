@@ -1,0 +1,156 @@
+"""Bad input gets a clear error where it enters; ranks that disagree fail together, not hang."""
+
+import pytest
+import torch
+
+from blockdiag_cp import CPConfig, cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx, plan_shards
+from blockdiag_cp.verify import spawn
+
+
+def ids_batch(S=8, **extra):
+    return {"input_ids": torch.ones(1, S, dtype=torch.long), **extra}
+
+
+@pytest.mark.parametrize(
+    "batch, message",
+    [
+        ({"input_ids": torch.ones(2, 8, dtype=torch.long)}, "local batch size must be 1"),
+        ({"input_ids": torch.ones(1, 8, dtype=torch.long), "inputs_embeds": torch.ones(1, 8, 4)}, "exactly one"),
+        ({"labels": torch.ones(1, 8, dtype=torch.long)}, "exactly one"),
+        ({"input_ids": torch.ones(1, 0, dtype=torch.long)}, "empty"),
+        (ids_batch(labels=torch.ones(1, 7, dtype=torch.long)), "labels"),
+        (ids_batch(position_ids=torch.ones(3, 1, 9, dtype=torch.long)), "position_ids"),
+        (ids_batch(attention_mask=torch.ones(1, 8, 8)), r"\[B, S\]"),
+        (ids_batch(_packed_seq_ids=torch.tensor([[1, 1, 2, 2, 1, 1, 3, 3]])), "separate runs"),
+    ],
+)
+def test_bad_batches_are_value_errors(batch, message):
+    with pytest.raises(ValueError, match=message):
+        make_cp_blockdiag_batch_and_ctx(None, None, batch)
+
+
+@pytest.mark.parametrize("knob", ["kv_exchange", "kernel", "layout"])
+def test_unknown_config_values_list_the_choices(knob):
+    with pytest.raises(ValueError, match="choose one of"):
+        CPConfig(**{knob: "nope"})
+
+
+def test_config_must_be_a_cpconfig():
+    with pytest.raises(TypeError, match="CPConfig"):
+        make_cp_blockdiag_batch_and_ctx(None, None, ids_batch(), config={"layout": "balanced"})
+
+
+def test_plan_shards_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="choose one of"):
+        plan_shards(torch.ones(1, 4, dtype=torch.long), 2, layout="zigzag")
+    with pytest.raises(ValueError, match="positive"):
+        plan_shards(torch.ones(4, dtype=torch.long), 0)
+    with pytest.raises(ValueError, match="one packed row"):
+        plan_shards(torch.ones(2, 4, dtype=torch.long), 2)
+
+
+def qkv(L, H=4, Hk=4, D=8):
+    return torch.randn(1, H, L, D), torch.randn(1, Hk, L, D), torch.randn(1, Hk, L, D)
+
+
+def test_sdpa_inside_a_step_checks_shapes():
+    train_ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, ids_batch())
+    with train_ctx():
+        with pytest.raises(ValueError, match="shard of length 8"):
+            cp_blockdiag_sdpa(*qkv(7))
+        q, k, v = qkv(8, H=4, Hk=2)
+        with pytest.raises(ValueError, match="enable_gqa"):
+            cp_blockdiag_sdpa(q, k, v)
+        q, k, v = qkv(8, H=4, Hk=3)
+        with pytest.raises(ValueError, match="multiple"):
+            cp_blockdiag_sdpa(q, k, v, enable_gqa=True)
+        assert cp_blockdiag_sdpa(*qkv(8, H=4, Hk=2), enable_gqa=True).shape == (1, 4, 8, 8)
+
+
+def test_dropout_needs_a_kernel_that_has_it():
+    train_ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, ids_batch(), config=CPConfig(kernel="sdpa"))
+    with train_ctx(), pytest.raises(ValueError, match="no attention dropout"):
+        cp_blockdiag_sdpa(*qkv(8), dropout_p=0.1)
+    train_ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, ids_batch())
+    with train_ctx() as state:
+        torch.manual_seed(0)
+        out = cp_blockdiag_sdpa(*qkv(8), dropout_p=0.5)
+        assert state.dropout_kernel is not None and torch.isfinite(out).all()
+
+
+def test_outside_a_step_it_is_stock_sdpa():
+    q, k, v = qkv(5)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.equal(cp_blockdiag_sdpa(q, k, v, is_causal=True), expected)
+
+
+def test_two_different_steps_cannot_be_active_together():
+    ctx_a, _ = make_cp_blockdiag_batch_and_ctx(None, None, ids_batch())
+    ctx_b, _ = make_cp_blockdiag_batch_and_ctx(None, None, ids_batch())
+    with ctx_a():
+        with ctx_a():  # the same step may be re-entered
+            pass
+        with pytest.raises(RuntimeError, match="already active"), ctx_b():
+            pass
+
+
+def test_checkpoint_recompute_after_the_step_ended_is_refused():
+    train_ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, ids_batch())
+    q, k, v = (t.requires_grad_() for t in qkv(8))
+    with train_ctx():
+        out = torch.utils.checkpoint.checkpoint(cp_blockdiag_sdpa, q, k, v, use_reentrant=False)
+    with pytest.raises(RuntimeError, match="inside `with train_ctx"):
+        out.sum().backward()
+
+
+def disagree_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    ids = torch.tensor([[1, 1, 2, 2, 2, 3, 3, 3]]) if rank != 1 else torch.tensor([[1, 1, 1, 2, 2, 3, 3, 3]])
+    try:
+        make_cp_blockdiag_batch_and_ctx(mesh["cp"], None, ids_batch(_packed_seq_ids=ids))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_that_disagree_fail_together():
+    messages = spawn(disagree_worker, 3, timeout=120)
+    assert all(m is not None and "disagree" in m for m in messages)
+
+
+def group_mismatch_worker(rank, world):
+    from unittest import mock
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "cp"))
+    with mock.patch.object(type(mesh), "get_group", lambda self, *a: dist.group.WORLD):
+        try:
+            make_cp_blockdiag_batch_and_ctx(mesh["cp"], None, ids_batch())
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
+def test_cp_group_size_must_equal_mesh_size():
+    messages = spawn(group_mismatch_worker, 2, timeout=120)
+    assert all(m is not None and "mis-resolved" in m for m in messages)
+
+
+def test_multi_dimensional_mesh_is_refused():
+    messages = spawn(two_d_mesh_worker, 2, timeout=120)
+    assert all(m is not None and "1-D" in m for m in messages)
+
+
+def two_d_mesh_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "cp"))
+    try:
+        make_cp_blockdiag_batch_and_ctx(mesh, None, ids_batch())
+    except ValueError as exc:
+        return str(exc)
+    return None
