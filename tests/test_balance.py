@@ -1,0 +1,85 @@
+"""Balanced planner properties: a partition, equal token counts, work within 5% of the mean."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blockdiag_cp.balance import BALANCE_TOLERANCE
+from blockdiag_cp.geometry import StepGeometry
+from blockdiag_cp.layout import attention_work, plan_shards
+from blockdiag_cp.verify import doc_ids_from_lengths
+
+
+def check_plan(segments, world):
+    ids = doc_ids_from_lengths(segments)
+    plan = plan_shards(ids, world, "balanced")
+    S = ids.numel()
+    # padded only up to the next multiple of world; equal counts; every position owned once
+    assert plan.padded_len == -(-S // world) * world
+    assert plan.positions_WL.shape == (world, plan.padded_len // world)
+    assert torch.equal(plan.positions_WL.flatten().sort().values, torch.arange(plan.padded_len))
+    assert all(bool((plan.rank_positions(r)[1:] > plan.rank_positions(r)[:-1]).all()) for r in range(world))
+    work = attention_work(plan, ids).double()
+    spread = float((work - work.mean()).abs().max() / work.mean())
+    assert spread <= BALANCE_TOLERANCE, (spread, work.tolist())
+    again = plan_shards(ids, world, "balanced")
+    assert torch.equal(plan.positions_WL, again.positions_WL)  # deterministic
+    return plan, ids
+
+
+segment = st.one_of(
+    st.integers(1, 3000),  # documents
+    st.integers(-200, -1),  # interior padding
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(segments=st.lists(segment, min_size=1, max_size=40), world=st.integers(2, 16))
+def test_random_layouts_are_balanced(segments, world):
+    docs = sum(n for n in segments if n > 0)
+    if docs < 400 * world:  # too few tokens for a 5% bound to be reachable by any plan
+        segments = [*segments, 400 * world]
+    check_plan(segments, world)
+
+
+@settings(max_examples=25, deadline=None)
+@given(exponent=st.floats(0.8, 2.0), world=st.integers(2, 16), seed=st.integers(0, 1000))
+def test_power_law_lengths_are_balanced(exponent, world, seed):
+    import random
+
+    rng = random.Random(seed)
+    segments, rest = [], 20000
+    while rest > 0:
+        n = min(rest, max(1, int(rng.paretovariate(exponent) * 40)))
+        segments.append(n)
+        rest -= n
+    check_plan(segments, world)
+
+
+def test_named_distributions_at_every_world():
+    S = 16384
+    small = [37, 5, 120, 64, 3, 250] * 13
+    distributions = {
+        "one document": [S],
+        "two giants": [S // 2, S // 2],
+        "giant plus small": [S // 2, *small],
+        "uniform short": [32] * (S // 32),
+        "interior padding": [3000, -500, 4000, -17, 2000, 1, -64, 5000],
+    }
+    for name, segments in distributions.items():
+        for world in (2, 3, 4, 8, 16):
+            check_plan(segments, world)
+
+
+def test_one_long_document_gets_two_pieces_per_rank():
+    for world in (2, 4, 8):
+        plan, ids = check_plan([8192], world)
+        geometry = StepGeometry.build(plan, ids)
+        assert max(geometry.pieces(r).count for r in range(world)) <= 2
+
+
+def test_contiguous_layout_is_the_seed_chunking():
+    plan = plan_shards(torch.ones(10, dtype=torch.long), 4)
+    assert plan.padded_len == 12
+    assert plan.rank_positions(2).tolist() == [6, 7, 8]
+    assert plan.contiguous_start(2) == 6
