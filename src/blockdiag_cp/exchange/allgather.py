@@ -37,7 +37,8 @@ class AllGatherExchange(BufferExchange):
 
     @property
     def traffic(self) -> Traffic:
-        """A ring all-gather sends and receives every other rank's rows; reduce-scatter likewise."""
+        """A ring all-gather sends and receives every other rank's rows; a ring reduce-scatter
+        likewise. (gloo implements reduce-scatter as an all-reduce and sends twice that.)"""
         moved = self._rows - self._local_len
         return Traffic(moved, moved, moved, moved)
 
