@@ -50,7 +50,10 @@ def main() -> None:
     dp_rank = mesh.get_local_rank("dp")
 
     model = make_model("blockdiag_cp", torch.float32).to(device)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     rows = pack_rows(stdlib_documents(), args.steps, args.seq_len, seed=1000 + dp_rank)  # one stream per replica
