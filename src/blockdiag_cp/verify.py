@@ -231,3 +231,67 @@ def parity_worker(rank: int, world: int, cases: Sequence[ParityCase]) -> list[Pa
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     return [run_parity_case(case, mesh["cp"]) for case in cases]
+
+
+# ---------------------------------------------------------------------------
+# A pool of gloo ranks that serves many small tasks (property-based tests)
+
+
+def _pool_worker(rank: int, world: int, init_file: str, tasks, results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        while True:
+            task = tasks.get()
+            if task is None:
+                break
+            fn, args = task
+            try:
+                results.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
+            except BaseException:  # report, keep serving: the parent decides
+                results.put((rank, "error", traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+class RankPool:
+    """`world` long-lived gloo ranks; ``pool.run(fn, *args)`` runs ``fn(rank, world, *args)`` on all.
+
+    Saves the process start-up per task, so hundreds of small parity checks stay fast.
+    Use as a context manager.
+    """
+
+    def __init__(self, world: int, timeout: float = 300.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.world, self.timeout = world, timeout
+        self._tmp = tempfile.TemporaryDirectory()
+        self._tasks = [ctx.Queue() for _ in range(world)]
+        self._results = ctx.Queue()
+        init_file = os.path.join(self._tmp.name, "rendezvous")
+        self._procs = [
+            ctx.Process(target=_pool_worker, args=(r, world, init_file, self._tasks[r], self._results))
+            for r in range(world)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable, *args: Any) -> list[Any]:
+        for q in self._tasks:
+            q.put((fn, args))
+        collected = _collect(self._results, self._procs, self.world, self.timeout)
+        return [collected[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        for q in self._tasks:
+            q.put(None)
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
