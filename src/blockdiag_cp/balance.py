@@ -9,13 +9,15 @@ pairing a light head chunk with a heavy tail chunk, but needs every document
 padded to a multiple of ``2 * cp``. This planner needs no per-document padding:
 
 1. Cut every document into chunks of ``c`` tokens and order all chunks by their
-   index inside their document (then by position): all first chunks, then all
-   second chunks, ... Padding comes first. Along this order ``w`` is non-decreasing
-   up to the band ``c``, and chunks of one document that stay neighbours in this
-   order are neighbours in the row.
+   index inside their document, then by the document's length, then by position:
+   all first chunks (shortest documents first), then all second chunks, ...
+   Padding comes first. Along this order ``w`` is non-decreasing up to the band
+   ``c``, the mean ``w`` of whole short documents grows with their length, and
+   chunks of one document that stay neighbours in this order are neighbours in the
+   row.
 
        row:    [A0 A1 A2 A3][B0 B1][C0]      (Xk = chunk k of document X)
-       order:   pad  A0 B0 C0  A1 B1  A2  A3
+       order:   pad  C0 B0 A0  B1 A1  A2  A3
                 light ----------------> heavy
 
 2. Fold the order like zigzag: rank r takes ``x_r`` tokens from the front of what
@@ -40,6 +42,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .docs import run_starts
 from .layout import ShardPlan, pad_doc_ids, query_work
 
 #: Target: every rank's work within this fraction of the mean.
@@ -55,10 +58,11 @@ def plan_balanced(doc_ids_S: torch.Tensor, world: int) -> ShardPlan:
     ids = pad_doc_ids(doc_ids_S, L * world)
     work = query_work(ids).numpy()
     offset = work - 1  # position inside the document (-1 for padding)
+    length = _document_lengths(ids)
     best, best_spread = None, float("inf")
     chunk = max(1, L)
     while True:
-        order = _chunk_order(offset, chunk)
+        order = _chunk_order(offset, length, chunk)
         assignment = _fold(order, work, world, L)
         spread = _spread(assignment, work)
         if spread < best_spread:
@@ -70,10 +74,16 @@ def plan_balanced(doc_ids_S: torch.Tensor, world: int) -> ShardPlan:
     return ShardPlan("balanced", S, L * world, positions)
 
 
-def _chunk_order(offset: np.ndarray, chunk: int) -> np.ndarray:
-    """Positions ordered by (chunk index inside the document, position); padding first."""
+def _document_lengths(ids: torch.Tensor) -> np.ndarray:
+    """``[S_pad]``: the length of each position's document (or padding run)."""
+    run = torch.cumsum(run_starts(ids).long(), dim=0) - 1
+    return torch.bincount(run)[run].numpy()
+
+
+def _chunk_order(offset: np.ndarray, length: np.ndarray, chunk: int) -> np.ndarray:
+    """Positions ordered by (chunk index inside the document, document length, position); padding first."""
     chunk_index = np.where(offset < 0, -1, offset // chunk)
-    return np.lexsort((np.arange(offset.size), chunk_index))
+    return np.lexsort((np.arange(offset.size), length, chunk_index))
 
 
 def _clean_cuts(order: np.ndarray) -> np.ndarray:

@@ -11,7 +11,6 @@ by the world size.
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import resource
 import statistics
@@ -171,8 +170,18 @@ def run_spec(spec: BenchSpec, timeout: float = 900) -> BenchResult:
     )
 
 
-def limit_seconds(spec: BenchSpec, repeats: int = 3) -> float:
-    """One process, one thread: per-document causal SDPA forward+backward over the row, / world."""
+def limit_seconds(spec: BenchSpec, repeats: int = 3, loaded: bool = False) -> float:
+    """One process, one thread: per-document causal SDPA forward+backward over the row, / world.
+
+    With ``loaded=True`` the same measurement runs in `world` processes at once (each
+    doing the whole row), so the machine is as busy as during the CP run; on a machine
+    with no more cores than ranks this is the fair side-by-side limit.
+    """
+    if loaded:
+        from .verify import spawn
+
+        per_process = spawn(_limit_worker, spec.world, spec, repeats)
+        return statistics.median(per_process)
     torch.set_num_threads(1)
     dtype = getattr(torch, spec.dtype)
     docs = [n for n in spec.segments if n > 0]
@@ -188,6 +197,10 @@ def limit_seconds(spec: BenchSpec, repeats: int = 3) -> float:
             total += time.perf_counter() - t0
         runs.append(total)
     return statistics.median(runs) / spec.world
+
+
+def _limit_worker(rank: int, world: int, spec: BenchSpec, repeats: int) -> float:
+    return limit_seconds(spec, repeats)
 
 
 def seed_available() -> bool:

@@ -1,0 +1,106 @@
+"""K/V exchange benchmark: bytes sent per rank and time, forward+backward, for every exchange.
+
+Layouts (S=8192 tokens, fp32, 8 query / 8 K/V heads of 64, contiguous shards): many short
+documents, one document spanning all ranks, documents of mixed length; at cp=2 and cp=4.
+Bytes are the wchar delta of /proc/self/io around one attention forward+backward (what the
+rank really wrote to its sockets). The needed-only minimum for a rank is the K/V rows it
+owns that other ranks' queries see, plus the gradients of the rows it received.
+Writes docs/bench_exchanges.md.
+
+    python benchmarks/exchanges.py
+"""
+
+from __future__ import annotations
+
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+from blockdiag_cp.bench import doc_lengths
+from blockdiag_cp.verify import doc_ids_from_lengths, spawn
+
+S, H, HK, D = 8192, 8, 8, 64
+EXCHANGES = ("allgather", "halo", "a2a", "ring", "auto")
+LAYOUTS = {
+    "many short docs": doc_lengths("uniform:61", S),  # ~134 tokens each, straddling rank boundaries
+    "one doc over all ranks": doc_lengths("one", S),
+    "mixed lengths": doc_lengths("mixed", S, seed=3),
+}
+
+
+def _wchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("wchar"))
+
+
+def worker(rank, world, segments, repeats=3):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from blockdiag_cp import CPConfig, cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"]
+    ids = doc_ids_from_lengths(segments).unsqueeze(0)
+    x = torch.randn(1, S, (H + 2 * HK) * D, generator=torch.Generator().manual_seed(0))
+    out = {}
+    for exchange in EXCHANGES:
+        times, sent = [], []
+        for i in range(repeats + 1):
+            xi = x.clone().requires_grad_(True)
+            ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh, None, {"inputs_embeds": xi, "_packed_seq_ids": ids},
+                                                         config=CPConfig(kv_exchange=exchange))
+            q, k, v = (t.reshape(1, t.shape[1], -1, D).transpose(1, 2)
+                       for t in batch["inputs_embeds"].split([H * D, HK * D, HK * D], -1))
+            dist.barrier()
+            with ctx() as state:
+                t0, w0 = time.perf_counter(), _wchar()
+                cp_blockdiag_sdpa(q, k, v).square().mean().backward()
+                w1 = _wchar()
+                dist.barrier()
+                t1 = time.perf_counter()
+            if i:
+                times.append(t1 - t0)
+                sent.append(w1 - w0)
+        geometry = state.geometry
+        mine = geometry.owner == rank
+        minimum = sum(int((geometry.need_WS[j] & mine).sum()) for j in range(world) if j != rank)
+        minimum += int((geometry.need_WS[rank] & ~mine).sum())
+        out[exchange] = {"time": statistics.median(times), "sent": statistics.median(sent),
+                         "min": minimum * 2 * HK * D * 4, "ran": state.exchange.name}
+    return out
+
+
+def main() -> int:
+    lines = ["| layout | cp | exchange (ran) | MB sent, max rank | needed-only minimum MB | x minimum | fwd+bwd s | x allgather time |",
+             "|---|---|---|---|---|---|---|---|"]
+    verdicts = []
+    for name, segments in LAYOUTS.items():
+        for world in (2, 4):
+            per_rank = spawn(worker, world, segments, timeout=1200)
+            base_time = max(r["allgather"]["time"] for r in per_rank)
+            for exchange in EXCHANGES:
+                rows = [r[exchange] for r in per_rank]
+                sent = max(r["sent"] for r in rows) / 1e6
+                minimum = max(r["min"] for r in rows) / 1e6
+                seconds = max(r["time"] for r in rows)
+                ratio = sent / minimum if minimum else float("nan") if sent else 1.0
+                ran = rows[0]["ran"]
+                lines.append(f"| {name} | {world} | {exchange} ({ran}) | {sent:.2f} | {minimum:.2f} | "
+                             f"{ratio:.3f} | {seconds:.3f} | {seconds / base_time:.2f} |")
+                if exchange == "auto":
+                    ok = (not minimum and sent < 0.05) or (minimum and sent <= 1.10 * minimum)
+                    verdicts.append(f"{name}, cp={world}: auto {ratio:.3f}x minimum bytes, "
+                                    f"{seconds / base_time:.2f}x allgather time -> {'ok' if ok and seconds <= base_time * 1.05 else 'MISSED'}")
+    text = "\n".join(lines) + "\n\n" + "\n".join(f"- {v}" for v in verdicts)
+    print(text)
+    out = pathlib.Path(__file__).resolve().parent.parent / "docs" / "bench_exchanges.md"
+    out.write_text("# K/V exchanges (CPU, gloo, S=8192, fp32, 8 heads of 64, contiguous)\n\n" + text + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
