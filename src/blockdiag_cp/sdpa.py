@@ -68,7 +68,7 @@ def attend_in_step(
 ) -> torch.Tensor:
     """Per-document causal attention of this rank's ``[1, H, L, D]`` shards under `state`."""
     _check_step_shapes(state, query, key, value, enable_gqa)
-    kernel = _kernel_for(state, dropout_p)
+    kernel = _kernel_for(state, query, float(dropout_p))
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     out_HLD = state.exchange.attend(query[0], key[0], value[0], kernel, scale, float(dropout_p))
     return out_HLD.unsqueeze(0)
@@ -111,14 +111,23 @@ def _check_step_shapes(state: StepState, query, key, value, enable_gqa: bool) ->
         raise ValueError(f"query, key and value dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}")
 
 
-def _kernel_for(state: StepState, dropout_p: float):
+def _kernel_for(state: StepState, query: torch.Tensor, dropout_p: float):
+    """The first of the step's kernels that accepts this call (the same on every rank).
+
+    An explicitly requested kernel has no fallbacks, so its refusal is raised as is.
+    """
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if dropout_p == 0.0 or state.kernel.supports_dropout:
-        return state.kernel
-    if state.dropout_kernel is not None:
-        return state.dropout_kernel
-    raise ValueError(
-        f"kernel={state.kernel.name!r} has no attention dropout; use CPConfig(kernel='dense') "
-        "or kernel='auto', or dropout_p=0"
-    )
+    refusals = []
+    for kernel in (state.kernel, *state.fallback_kernels):
+        if dropout_p > 0.0 and not kernel.supports_dropout:
+            refusals.append(f"kernel={kernel.name!r} has no attention dropout")
+            continue
+        try:
+            kernel.check(query[0], dropout_p)
+        except ValueError as exc:
+            refusals.append(str(exc))
+            continue
+        return kernel
+    hint = "" if state.fallback_kernels else "; use CPConfig(kernel='auto') or another kernel"
+    raise ValueError("; ".join(refusals) + hint)

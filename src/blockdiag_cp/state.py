@@ -40,7 +40,8 @@ class StepState:
         geometry: replicated document ids, plan and need matrix.
         exchange: the planned K/V exchange strategy; `exchange_reason` says why.
         kernel: the attention kernel; `kernel_reason` says why.
-        dropout_kernel: the kernel used when ``dropout_p > 0`` (None: refuse dropout).
+        fallback_kernels: with ``kernel="auto"``, kernels tried in order when `kernel`
+            refuses a call (attention dropout, a dtype it lacks); empty otherwise.
     """
 
     config: CPConfig
@@ -52,7 +53,7 @@ class StepState:
     exchange_reason: str
     kernel: AttentionKernel
     kernel_reason: str
-    dropout_kernel: Optional[AttentionKernel]
+    fallback_kernels: tuple[AttentionKernel, ...]
 
     @property
     def plan(self) -> ShardPlan:
@@ -132,18 +133,17 @@ def build_step_state(
     before this), so every rank reaches the same plan without communicating.
     """
     from .exchange import ExchangeSetup, build_exchange
-    from .kernels import DenseKernel, select_kernel
+    from .kernels import fallback_kernels, select_kernel
     from .layout import plan_shards
 
     plan = plan_shards(doc_ids_S, world, config.layout)
     geometry = StepGeometry.build(plan, doc_ids_S)
     kernel, kernel_reason = select_kernel(config.kernel, device)
-    dropout_kernel = DenseKernel() if config.kernel == "auto" and not kernel.supports_dropout else None
-    kernels = (kernel,) if dropout_kernel is None else (kernel, dropout_kernel)
-    setup = ExchangeSetup(geometry, rank, group, kernels, device)
+    fallbacks = fallback_kernels(config.kernel, kernel, device)
+    setup = ExchangeSetup(geometry, rank, group, (kernel, *fallbacks), device)
     exchange, exchange_reason = build_exchange(config.kv_exchange, setup)
     logger.debug(
         "blockdiag-cp step: rank %d/%d layout=%s exchange=%s (%s) kernel=%s (%s)",
         rank, world, plan.layout, exchange.name, exchange_reason, kernel.name, kernel_reason,
     )
-    return StepState(config, rank, world, group, geometry, exchange, exchange_reason, kernel, kernel_reason, dropout_kernel)
+    return StepState(config, rank, world, group, geometry, exchange, exchange_reason, kernel, kernel_reason, fallbacks)

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Mapping
 import torch
 
 from ..geometry import Pieces, StepGeometry
-from ..kernels import AttentionKernel, ItemAttention, ItemTable
+from ..kernels import AttentionKernel, ItemTable
 
 
 @dataclass(frozen=True)
@@ -122,4 +122,4 @@ class BufferExchange(KVExchange):
     def attend(self, q_HLD, k_HLD, v_HLD, kernel, scale, dropout_p):
         buffer = self.fetch(fuse_kv(k_HLD, v_HLD))
         k_buf, v_buf = split_kv(buffer)
-        return ItemAttention.apply(q_HLD, k_buf, v_buf, kernel, self.kernel_plans[kernel.name], scale, dropout_p)
+        return kernel.attend(self.kernel_plans[kernel.name], q_HLD, k_buf, v_buf, scale, dropout_p)

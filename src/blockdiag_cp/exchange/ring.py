@@ -75,6 +75,12 @@ class RingExchange(KVExchange):
     name = "ring"
 
     def __init__(self, setup: ExchangeSetup) -> None:
+        for kernel in setup.kernels:
+            if not kernel.supports_lse:
+                raise ValueError(
+                    f"kv_exchange='ring' merges partial results by log-sum-exp, which kernel={kernel.name!r} does "
+                    "not expose; use kernel='sdpa' or 'dense', or another exchange ('auto', 'a2a', 'halo')"
+                )
         self.rank, self.world, self.group = setup.rank, setup.world, setup.group
         travel = _travel_rows(setup)
         self.hops = tuple(_plan_hop(setup, travel, t) for t in range(setup.world))

@@ -102,7 +102,7 @@ class ItemTable:
 
 
 class AttentionKernel(ABC):
-    """A local attention kernel: `forward` and `backward` over an `ItemTable`.
+    """A local attention kernel over an `ItemTable`.
 
     Tensors are one sequence's heads: ``q [H, L, D]``, ``k``/``v`` ``[Hk, N, D]``
     with ``H % Hk == 0`` (grouped-query attention). `prepare` runs once per step and
@@ -111,10 +111,30 @@ class AttentionKernel(ABC):
 
     name: ClassVar[str]
     supports_dropout: ClassVar[bool] = False
+    #: the kernel is an `LseKernel`: partial results over different key sets merge
+    #: exactly by log-sum-exp (the ring exchange needs this)
+    supports_lse: ClassVar[bool] = False
 
     @abstractmethod
     def prepare(self, items: ItemTable, device: torch.device) -> Any:
         """Per-step metadata for `items`, built once (host work happens here)."""
+
+    def check(self, q_HLD: torch.Tensor, dropout_p: float) -> None:
+        """Raise `ValueError` if this call's dtype/device/features are unsupported.
+
+        Runs before any collective of the call, and depends only on what every rank
+        shares (dtype, device type, dropout), so all ranks refuse alike.
+        """
+
+    @abstractmethod
+    def attend(self, plan: Any, q_HLD, k_HND, v_HND, scale: float, dropout_p: float) -> torch.Tensor:
+        """Differentiable ``o [H, L, D]`` over the plan's items; rows in no item are 0."""
+
+
+class LseKernel(AttentionKernel):
+    """A kernel with explicit forward/backward that return/take the log-sum-exp."""
+
+    supports_lse = True
 
     @abstractmethod
     def forward(
@@ -138,12 +158,15 @@ class AttentionKernel(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients ``(dq, dk, dv)`` of this table's keys, given the final ``o`` and ``lse``."""
 
+    def attend(self, plan: Any, q_HLD, k_HND, v_HND, scale: float, dropout_p: float) -> torch.Tensor:
+        return ItemAttention.apply(q_HLD, k_HND, v_HND, self, plan, scale, dropout_p)
+
 
 class ItemAttention(torch.autograd.Function):
     """``o = attention(q, k, v)`` over an item table; backward through the kernel."""
 
     @staticmethod
-    def forward(ctx, q_HLD, k_HND, v_HND, kernel: AttentionKernel, plan: Any, scale: float, dropout_p: float):
+    def forward(ctx, q_HLD, k_HND, v_HND, kernel: "LseKernel", plan: Any, scale: float, dropout_p: float):
         o_HLD, lse_HL, aux = kernel.forward(plan, q_HLD, k_HND, v_HND, scale, dropout_p)
         ctx.save_for_backward(q_HLD, k_HND, v_HND, o_HLD, lse_HL)
         ctx.kernel, ctx.plan, ctx.aux, ctx.scale, ctx.dropout_p = kernel, plan, aux, scale, dropout_p

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import AttentionKernel, ItemTable
+from .base import ItemTable, LseKernel
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ def _fold_heads(t_HND: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return t_HND.reshape(kv_heads, H // kv_heads, N, D).sum(dim=1)
 
 
-class DenseKernel(AttentionKernel):
+class DenseKernel(LseKernel):
     name = "dense"
     supports_dropout = True
 

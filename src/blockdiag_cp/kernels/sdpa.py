@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from .base import AttentionKernel, ItemTable, merge_partial
+from .base import ItemTable, LseKernel, merge_partial
 
 
 def cpu_fused_ops():
@@ -31,6 +31,67 @@ def cpu_fused_ops():
     fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
     return (fwd, bwd) if fwd is not None and bwd is not None else None
+
+
+class CpuFusedOps:
+    """``fwd(q, k, v, causal, scale) -> (o, lse)`` and ``bwd(...)`` on PyTorch's CPU flash kernel.
+
+    Shapes ``[n, H, l, D]`` (queries) and ``[n, Hk, m, D]`` (keys); GQA native.
+    """
+
+    def __init__(self) -> None:
+        ops = cpu_fused_ops()
+        if ops is None:
+            raise ValueError("kernel='sdpa' needs torch's CPU fused attention ops (torch >= 2.3)")
+        self._fwd, self._bwd = ops
+
+    def fwd(self, q, k, v, causal: bool, scale: float):
+        return self._fwd(q, k, v, 0.0, causal, scale=scale)
+
+    def bwd(self, do, q, k, v, o, lse, causal: bool, scale: float):
+        return self._bwd(do, q, k, v, o, lse, 0.0, causal, scale=scale)
+
+
+class CudaFusedOps:
+    """The same two calls on PyTorch's CUDA memory-efficient attention (fp32/fp16/bf16).
+
+    That kernel wants equal head counts (K/V heads are expanded, their gradients
+    summed in float32) and pads the log-sum-exp to a multiple of 32 queries.
+    """
+
+    def __init__(self) -> None:
+        self._fwd = torch.ops.aten._scaled_dot_product_efficient_attention
+        self._bwd = torch.ops.aten._scaled_dot_product_efficient_attention_backward
+
+    def fwd(self, q, k, v, causal: bool, scale: float):
+        k, v = (_expand_heads(t, q.shape[1]) for t in (k, v))
+        o, lse, _, _ = self._fwd(q, k, v, None, True, 0.0, causal, scale=scale)
+        return o, lse[..., : q.shape[2]]
+
+    def bwd(self, do, q, k, v, o, lse, causal: bool, scale: float):
+        kv_heads = k.shape[1]
+        k, v = (_expand_heads(t, q.shape[1]) for t in (k, v))
+        pad = -q.shape[2] % 32
+        lse = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
+        zero = torch.zeros((), dtype=torch.long, device=q.device)
+        dq, dk, dv, _ = self._bwd(do, q, k, v, None, o, lse, zero, zero, 0.0, [True, True, True, False], causal, scale=scale)
+        groups = q.shape[1] // kv_heads
+        if groups > 1:
+            dk, dv = (_fold_heads(t.float(), groups).to(t.dtype) for t in (dk, dv))
+        return dq, dk, dv
+
+
+def _expand_heads(t_NHLD: torch.Tensor, heads: int) -> torch.Tensor:
+    groups = heads // t_NHLD.shape[1]
+    return t_NHLD if groups == 1 else t_NHLD.repeat_interleave(groups, dim=1)
+
+
+def fused_ops_for(device: torch.device):
+    if device.type == "cpu":
+        return CpuFusedOps()
+    if device.type == "cuda":
+        return CudaFusedOps()
+    raise ValueError(f"kernel='sdpa' supports cpu and cuda devices, got {device.type}")
 
 
 @dataclass(frozen=True)
@@ -110,19 +171,17 @@ def _fold_heads(t_NHLD: torch.Tensor, groups: int) -> torch.Tensor:
     return t_NHLD.reshape(n, H // groups, groups, l, D).sum(dim=2)
 
 
-class SdpaKernel(AttentionKernel):
+class SdpaKernel(LseKernel):
     name = "sdpa"
     supports_dropout = False
 
-    def __init__(self) -> None:
-        ops = cpu_fused_ops()
-        if ops is None:
-            raise ValueError("kernel='sdpa' needs torch's CPU fused attention ops (torch >= 2.3)")
-        self._fwd, self._bwd = ops
+    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
+        self.device_type = device.type
+        self._ops = fused_ops_for(device)
 
     def prepare(self, items: ItemTable, device: torch.device) -> tuple[FusedCall, ...]:
-        if device.type != "cpu":
-            raise ValueError(f"kernel='sdpa' runs on CPU tensors here, got device {device}")
+        if device.type != self.device_type:
+            raise ValueError(f"kernel='sdpa' was set up for {self.device_type}, got tensors on {device}")
         return plan_fused_calls(items, device)
 
     def forward(self, plan, q_HLD, k_HND, v_HND, scale, dropout_p):
@@ -133,7 +192,7 @@ class SdpaKernel(AttentionKernel):
         lse = torch.full((H, L), float("-inf"), dtype=lse_dtype, device=q_HLD.device)
         for call in plan:
             q, k, v = call.q_rows.take(q_HLD), call.k_rows.take(k_HND), call.k_rows.take(v_HND)
-            o_part, lse_part = self._fwd(q, k, v, 0.0, call.causal, scale=scale)
+            o_part, lse_part = self._ops.fwd(q, k, v, call.causal, scale)
             if call.merge:
                 o_part, lse_part = merge_partial(call.q_rows.take(o), call.q_rows.take(lse), o_part, lse_part)
             call.q_rows.put(o, o_part, accumulate=False)
@@ -145,17 +204,15 @@ class SdpaKernel(AttentionKernel):
         dq = torch.zeros(q_HLD.shape, dtype=acc, device=q_HLD.device)
         dk = torch.zeros(k_HND.shape, dtype=acc, device=k_HND.device)
         dv = torch.zeros(v_HND.shape, dtype=acc, device=v_HND.device)
-        # In half precision the fused backward sums grouped-query heads in that precision;
-        # expand K/V heads and sum their gradients in float32 instead.
-        groups = q_HLD.shape[0] // k_HND.shape[0] if q_HLD.element_size() < 4 else 1
+        # In half precision the CPU fused backward sums grouped-query heads in that
+        # precision; expand K/V heads and sum their gradients in float32 instead.
+        groups = q_HLD.shape[0] // k_HND.shape[0] if q_HLD.element_size() < 4 and self.device_type == "cpu" else 1
         for call in plan:
             q, k, v = call.q_rows.take(q_HLD), call.k_rows.take(k_HND), call.k_rows.take(v_HND)
             if groups > 1:
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
             do, o, lse = (call.q_rows.take(t) for t in (do_HLD, o_HLD, lse_HL))
-            dq_p, dk_p, dv_p = self._bwd(
-                do.contiguous(), q, k, v, o.contiguous(), lse.contiguous(), 0.0, call.causal, scale=scale
-            )
+            dq_p, dk_p, dv_p = self._ops.bwd(do.contiguous(), q, k, v, o.contiguous(), lse.contiguous(), call.causal, scale)
             if groups > 1:
                 dk_p, dv_p = (_fold_heads(t.to(acc), groups) for t in (dk_p, dv_p))
             call.q_rows.put(dq, dq_p, accumulate=True)

@@ -1,0 +1,65 @@
+"""`flex`: FlexAttention with a block mask built once per step from the items.
+
+Each query row sees one contiguous range of buffer keys ``[lo, hi)``; the mask
+function reads those two ``[L]`` tensors. Forward and backward on GPU; torch 2.13
+has no FlexAttention backward on CPU, so training on CPU is refused (inference works).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .base import AttentionKernel, ItemTable
+
+
+@dataclass(frozen=True)
+class FlexPlan:
+    block_mask: Any
+    has_keys: torch.Tensor  # [L] bool: rows that see at least one key
+
+
+class FlexKernel(AttentionKernel):
+    name = "flex"
+    supports_dropout = False
+    supports_lse = False
+
+    def prepare(self, items: ItemTable, device: torch.device) -> FlexPlan:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        lo, hi = (t.to(device) for t in items.row_key_ranges())
+
+        def visible(b, h, q_idx, kv_idx):
+            return (kv_idx >= lo[q_idx]) & (kv_idx < hi[q_idx])
+
+        # a zero-length key buffer is not a valid block mask; rows then see nothing
+        kv_len = max(items.num_k_rows, 1)
+        mask = create_block_mask(visible, B=None, H=None, Q_LEN=items.num_q_rows, KV_LEN=kv_len, device=device)
+        return FlexPlan(mask, hi > lo)
+
+    def check(self, q_HLD: torch.Tensor, dropout_p: float) -> None:
+        if q_HLD.device.type == "cpu" and torch.is_grad_enabled() and q_HLD.requires_grad:
+            raise ValueError(
+                "kernel='flex' cannot train on CPU: torch has no FlexAttention backward there; "
+                "use kernel='sdpa' (or flex under torch.no_grad())"
+            )
+
+    def attend(self, plan: FlexPlan, q_HLD, k_HND, v_HND, scale, dropout_p):
+        if k_HND.shape[1] == 0:
+            return torch.zeros_like(q_HLD) + 0.0 * k_HND.sum() + 0.0 * v_HND.sum()
+        out = _flex_attention(q_HLD.device.type)(
+            q_HLD.unsqueeze(0), k_HND.unsqueeze(0), v_HND.unsqueeze(0), block_mask=plan.block_mask,
+            scale=scale, enable_gqa=q_HLD.shape[0] != k_HND.shape[0],
+        )[0]
+        return torch.where(plan.has_keys[None, :, None], out, torch.zeros_like(out))
+
+
+@functools.lru_cache(maxsize=None)
+def _flex_attention(device_type: str):
+    """FlexAttention, compiled on GPU (fused kernel); eager on CPU (forward only there)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention) if device_type == "cuda" else flex_attention

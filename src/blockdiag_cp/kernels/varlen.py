@@ -1,0 +1,108 @@
+"""Varlen metadata for packed-segment kernels (flash-attn, TransformerEngine THD).
+
+Note [Varlen segments from items]
+---------------------------------
+Varlen kernels take queries and keys packed segment after segment, described by
+cumulative lengths. From an `ItemTable` (built once per step) we derive, per group
+of items with the same alignment (causal or full):
+
+    q_rows        [Tq]  local query rows, item after item (padding rows skipped)
+    k_rows        [Tk]  key-buffer rows, item after item (a key may repeat when two
+                        pieces of one document on this rank see the same prefix)
+    cu_seqlens_q  [n+1] int32, cumulative query lengths
+    cu_seqlens_k  [n+1] int32, cumulative key lengths
+    max_seqlen_q/k      Python ints (host values computed once: no per-layer sync)
+
+Causal items are bottom-right aligned (query i of a segment sees keys
+``j <= i + k_len - q_len``), which is flash-attn's ``causal=True`` and
+TransformerEngine's ``padding_causal_bottom_right``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import ItemTable
+
+
+@dataclass(frozen=True)
+class VarlenSegments:
+    """One packed call's metadata (Note [Varlen segments from items]); tensors on the device."""
+
+    causal: bool
+    q_rows: torch.Tensor
+    k_rows: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Concatenated ``arange(start, start + length)`` for every pair (int64)."""
+    total = int(lengths.sum())
+    item = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    first = torch.cumsum(lengths, dim=0) - lengths
+    return starts[item] + torch.arange(total) - first[item]
+
+
+def _cumulative(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, dim=0)]).to(torch.int32)
+
+
+def validate_segments(seg: "VarlenSegments", num_q_rows: int, num_k_rows: int) -> None:
+    """Host checks, once per step: monotone, in bounds, ``q_len <= k_len`` for causal segments."""
+    cu_q, cu_k = seg.cu_seqlens_q.cpu().long(), seg.cu_seqlens_k.cpu().long()
+    q_len, k_len = torch.diff(cu_q), torch.diff(cu_k)
+    if bool((q_len <= 0).any()) or bool((k_len <= 0).any()):
+        raise ValueError("varlen metadata: every segment needs at least one query and one key")
+    if seg.causal and bool((q_len > k_len).any()):
+        raise ValueError("varlen metadata: a bottom-right causal segment has more queries than keys")
+    if int(cu_q[-1]) != seg.q_rows.numel() or int(cu_k[-1]) != seg.k_rows.numel():
+        raise ValueError("varlen metadata: cumulative lengths do not match the packed rows")
+    q_rows, k_rows = seg.q_rows.cpu(), seg.k_rows.cpu()
+    if q_rows.numel() and (int(q_rows.min()) < 0 or int(q_rows.max()) >= num_q_rows):
+        raise ValueError("varlen metadata: a query row is out of bounds")
+    if k_rows.numel() and (int(k_rows.min()) < 0 or int(k_rows.max()) >= num_k_rows):
+        raise ValueError("varlen metadata: a key row is out of bounds")
+    if seg.max_seqlen_q != int(q_len.max()) or seg.max_seqlen_k != int(k_len.max()):
+        raise ValueError("varlen metadata: max lengths disagree with the segments")
+
+
+def build_varlen_segments(items: ItemTable, device: torch.device) -> tuple[VarlenSegments, ...]:
+    """One `VarlenSegments` per alignment present in `items` (causal first), validated."""
+    out = []
+    for causal in (True, False):
+        keep = items.causal == causal
+        if not bool(keep.any()):
+            continue
+        q_len, k_len = items.q_len[keep], items.k_len[keep]
+        seg = VarlenSegments(
+            causal,
+            _ranges(items.q_start[keep], q_len).to(device),
+            _ranges(items.k_start[keep], k_len).to(device),
+            _cumulative(q_len).to(device),
+            _cumulative(k_len).to(device),
+            int(q_len.max()),
+            int(k_len.max()),
+        )
+        validate_segments(seg, items.num_q_rows, items.num_k_rows)
+        out.append(seg)
+    return tuple(out)
+
+
+def packed_attention(segments: tuple[VarlenSegments, ...], q_HLD, k_HND, v_HND, call) -> torch.Tensor:
+    """Run ``call(seg, q [Tq, H, D], k [Tk, Hk, D], v) -> [Tq, H, D]`` per segment group; scatter to ``[H, L, D]``.
+
+    Differentiable (gather/scatter by index); rows in no segment are zero.
+    """
+    H, L, D = q_HLD.shape
+    out_LHD = q_HLD.new_zeros(L, H, D)
+    for seg in segments:
+        q = q_HLD.transpose(0, 1).index_select(0, seg.q_rows)
+        k = k_HND.transpose(0, 1).index_select(0, seg.k_rows)
+        v = v_HND.transpose(0, 1).index_select(0, seg.k_rows)
+        out_LHD = out_LHD.index_copy(0, seg.q_rows, call(seg, q, k, v).to(q_HLD.dtype))
+    return out_LHD.transpose(0, 1)
