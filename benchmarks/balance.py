@@ -63,7 +63,7 @@ def zigzag_plan(doc_ids: torch.Tensor, world: int) -> ShardPlan:
 def needed_bytes(plan: ShardPlan, doc_ids: torch.Tensor) -> int:
     """Largest per-rank bytes sent by a needed-only exchange, forward + backward."""
     geometry = StepGeometry.build(plan, doc_ids)
-    transfer = geometry.transfer_rows()  # [dst, src]
+    transfer = geometry.transfer  # [dst, src]
     sent = transfer.sum(dim=0) + transfer.sum(dim=1)  # rows owned and sent + gradients returned
     return int(sent.max()) * ROW_BYTES
 

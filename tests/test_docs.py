@@ -102,3 +102,8 @@ def test_bad_cu_seq_lens_are_refused():
 
 def test_doc_starts():
     assert doc_starts(torch.tensor([1, 1, 0, 2, 2, 2, 0])).tolist() == [0, 0, 2, 3, 3, 3, 6]
+
+
+def test_validity_mask_with_interior_padding_and_restarts():
+    batch = {"attention_mask": ids(1, 1, 0, 1, 1), "position_ids": ids(0, 1, 0, 0, 1)}
+    assert resolve_doc_ids(batch, 5, "cpu", 1).tolist() == [[1, 1, 0, 3, 3]]

@@ -154,3 +154,83 @@ def two_d_mesh_worker(rank, world):
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def test_missing_position_ids_value_is_filled():
+    _, out = make_cp_blockdiag_batch_and_ctx(None, None, ids_batch(position_ids=None))
+    assert torch.equal(out["position_ids"], torch.arange(8).unsqueeze(0))
+
+
+def test_tensors_on_another_device_than_the_step_are_refused():
+    train_ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, ids_batch())
+    q, k, v = (t.to("meta") for t in qkv(8))
+    with train_ctx(), pytest.raises(ValueError, match="planned on cpu"):
+        cp_blockdiag_sdpa(q, k, v)
+
+
+def one_bad_rank_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    batch = ids_batch() if rank != 2 else {"input_ids": torch.ones(2, 8, dtype=torch.long)}
+    try:
+        make_cp_blockdiag_batch_and_ctx(mesh["cp"], None, batch)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_batch_rejected_on_one_rank_fails_every_rank():
+    messages = spawn(one_bad_rank_worker, 3, timeout=120)
+    assert "batch size must be 1" in messages[2]
+    assert all(m is not None and "rank(s) [2] rejected" in m for m in messages[:2])
+
+
+def fake_flash_padding_worker(rank, world):
+    """flash on CPU through a fake module, a rank of only padding, the a2a exchange: no hang."""
+    import sys
+    import types
+    from unittest import mock
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import blockdiag_cp.kernels as kernels
+    from blockdiag_cp.verify import ParityCase, run_parity_case
+
+    fake = types.ModuleType("flash_attn")
+
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False):
+        outs = []
+        for i in range(cu_q.numel() - 1):
+            qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+            qq, kk, vv = q[qs].transpose(0, 1), k[ks].transpose(0, 1), v[ks].transpose(0, 1)
+            l, m = qq.shape[1], kk.shape[1]
+            mask = torch.ones(l, m, dtype=torch.bool).tril(m - l) if causal else None
+            o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=softmax_scale,
+                                                                 enable_gqa=True)
+            outs.append(o.transpose(0, 1))
+        return torch.cat(outs)
+
+    fake.flash_attn_varlen_func = flash_attn_varlen_func
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    with mock.patch.dict(sys.modules, {"flash_attn": fake}), mock.patch.object(kernels, "GPU_ONLY", ()):
+        case = ParityCase((20, -20), heads=4, kv_heads=2, kv_exchange="a2a", kernel="flash")
+        with mock.patch.object(kernels.FlashKernel, "check", lambda self, q, p: None):  # float64 on CPU
+            return run_parity_case(case, mesh["cp"])
+
+
+def test_autograd_native_kernel_on_a_padding_rank_keeps_collectives_matched():
+    results = spawn(fake_flash_padding_worker, 3, timeout=120)
+    assert all(r.kernel == "flash" and r.out_err < 1e-12 and r.grad_err < 1e-12 for r in results)
+
+
+def test_non_causal_modules_are_refused_inside_a_step():
+    pytest.importorskip("transformers")
+    import types
+
+    from blockdiag_cp.hf import blockdiag_cp_attention
+
+    train_ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, ids_batch())
+    encoder = types.SimpleNamespace(is_causal=False)
+    with train_ctx(), pytest.raises(ValueError, match="not causal"):
+        blockdiag_cp_attention(encoder, *qkv(8), None)

@@ -9,7 +9,7 @@ import torch
 
 from blockdiag_cp.exchange.base import items_over_buffer
 from blockdiag_cp.geometry import StepGeometry
-from blockdiag_cp.kernels import DenseKernel, FlashKernel, FlexKernel, ItemTable, TEKernel
+from blockdiag_cp.kernels import DenseKernel, FlashKernel, FlexKernel, TEKernel
 from blockdiag_cp.kernels.varlen import build_varlen_segments
 from blockdiag_cp.layout import plan_shards
 from blockdiag_cp.verify import doc_ids_from_lengths

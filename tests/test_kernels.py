@@ -58,7 +58,8 @@ def test_kernel_matches_direct_softmax_forward_and_backward(kernel, seed, heads)
 
 
 def test_rows_without_items_are_zero_with_minus_inf_lse():
-    items = ItemTable.empty(5, 3)
+    none = torch.zeros(0, dtype=torch.long)
+    items = ItemTable(none, none, none, none, none.bool(), 5, 3)
     kernel = SdpaKernel()
     q, k = torch.randn(2, 5, 4), torch.randn(2, 3, 4)
     o, lse, _ = kernel.forward(kernel.prepare(items, torch.device("cpu")), q, k, k, 0.5, 0.0)

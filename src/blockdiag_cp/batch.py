@@ -80,13 +80,20 @@ def make_cp_blockdiag_batch_and_ctx(
     world, rank, group = _cp_group(cp_mesh)
     if loss_mask is not None:
         batch["loss_mask"] = loss_mask
-    primary_key, S, device = _check_batch(batch)
-    doc_ids_1S = resolve_doc_ids(batch, S, device, 1)
+    try:
+        _, S, device = _check_batch(batch)
+        doc_ids_1S = resolve_doc_ids(batch, S, device, 1)
+        problem = None
+    except ValueError as exc:
+        doc_ids_1S, problem = None, exc
     if group is not None and config.check_ranks_agree:
-        _check_ranks_agree(doc_ids_1S, config, group, device)
+        _check_ranks_agree(doc_ids_1S, config, group, _mesh_device(cp_mesh), problem)
+    if problem is not None:
+        raise problem
     for key in UNSHARDED_ROW_KEYS:
         batch.pop(key, None)
-    batch.setdefault("position_ids", torch.arange(S, device=device).unsqueeze(0))
+    if batch.get("position_ids") is None:
+        batch["position_ids"] = torch.arange(S, device=device).unsqueeze(0)
     batch["padding_mask"] = doc_ids_1S == 0
     state = build_step_state(doc_ids_1S[0], world, rank, group, config, device)
     _shard_batch(batch, state.plan, rank, padding_token_id)
@@ -161,25 +168,37 @@ def _check_batch(batch: Mapping[str, Any]) -> tuple[str, int, torch.device]:
     return key, S, primary.device
 
 
-def _check_ranks_agree(doc_ids_1S: torch.Tensor, config: CPConfig, group, device: torch.device) -> None:
-    """One small all-gather: every rank must hold the same sequence length, doc ids and config."""
-    ids = doc_ids_1S[0].to(torch.long)
-    weights = torch.arange(ids.numel(), device=ids.device) % 65521 + 1
-    fingerprint = torch.tensor(
-        [ids.numel(), int((ids * weights).sum()), int((ids * ids).sum()), zlib.crc32(repr(config).encode())],
-        dtype=torch.long,
-        device=device,
-    )
+def _mesh_device(cp_mesh) -> torch.device:
+    if cp_mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(cp_mesh.device_type)
+
+
+def _check_ranks_agree(
+    doc_ids_1S: Optional[torch.Tensor], config: CPConfig, group, device: torch.device, problem: Optional[ValueError]
+) -> None:
+    """One small all-gather: every rank must hold a valid batch, and the same row and config.
+
+    A rank whose batch was rejected still takes part, so every rank raises instead of
+    some waiting forever in the step's first collective.
+    """
+    if doc_ids_1S is None:
+        fingerprint = [1, 0, 0, 0]
+    else:
+        ids = doc_ids_1S[0].to(torch.long).cpu().numpy()
+        fingerprint = [0, ids.size, zlib.crc32(ids.tobytes()), zlib.crc32(repr(config).encode())]
+    mine = torch.tensor(fingerprint, dtype=torch.long, device=device)
     world = dist.get_world_size(group)
-    gathered = fingerprint.new_empty(world * fingerprint.numel())
-    all_gather_flat(gathered, fingerprint, group)
-    gathered = gathered.reshape(world, -1)
-    bad = [r for r in range(world) if not torch.equal(gathered[r], gathered[0])]
-    if bad:
-        rows = gathered.cpu().tolist()
+    gathered = mine.new_empty(world * mine.numel())
+    all_gather_flat(gathered, mine, group)
+    rows = gathered.reshape(world, -1).cpu().tolist()
+    rejected = [r for r, row in enumerate(rows) if row[0]]
+    if rejected and problem is None:
+        raise ValueError(f"CP rank(s) {rejected} rejected their batch (see the error on those ranks)")
+    if not rejected and any(row != rows[0] for row in rows):
         raise ValueError(
             "ranks of one CP group disagree on the packed row (sequence length, document ids or CPConfig); "
-            f"each CP rank must get the same batch. [S, id checksums, config crc] per rank: {rows}"
+            f"each CP rank must get the same batch. [invalid, S, id crc, config crc] per rank: {rows}"
         )
 
 

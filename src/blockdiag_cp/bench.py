@@ -89,7 +89,8 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def _wchar() -> int:
+def bytes_written() -> int:
+    """Bytes this process has written so far (``wchar`` of /proc/self/io; sockets count)."""
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("wchar"))
 
@@ -139,7 +140,7 @@ def bench_worker(rank: int, world: int, spec: BenchSpec) -> dict:
     for i in range(spec.repeats + 1):
         train_ctx, x_local, sdpa, exchange, kernel, work = _make_step(spec, mesh)
         dist.barrier()
-        t0, w0 = time.perf_counter(), _wchar()
+        t0, w0 = time.perf_counter(), bytes_written()
         with train_ctx():
             q, k, v = _split(x_local, spec)
             out = sdpa(q, k, v, enable_gqa=spec.heads != spec.kv_heads)
@@ -147,7 +148,7 @@ def bench_worker(rank: int, world: int, spec: BenchSpec) -> dict:
         dist.barrier()
         if i:  # the first round warms up
             times.append(time.perf_counter() - t0)
-            sent.append(_wchar() - w0)
+            sent.append(bytes_written() - w0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"time": statistics.median(times), "peak": peak, "step_peak": max(0, peak - base_rss),
             "sent": statistics.median(sent), "exchange": exchange, "kernel": kernel, "work": work}
@@ -206,14 +207,15 @@ def _limit_worker(rank: int, world: int, spec: BenchSpec, repeats: int) -> float
 def seed_available() -> bool:
     try:
         import nemo_automodel.components.distributed.blockdiag_cp.batch  # noqa: F401
-    except Exception:  # any import failure means the optional peer is not usable here
+    except ImportError:
         return False
     return True
 
 
 def format_table(results: list[BenchResult], limit: Optional[float]) -> str:
     lines = [
-        "| impl | S | docs | world | exchange | kernel | fwd+bwd s | x limit | peak RSS GB/rank | step peak GB/rank | MB sent/rank | max/mean work |",
+        "| impl | S | docs | world | exchange | kernel | fwd+bwd s | x limit | peak RSS GB/rank "
+        "| step peak GB/rank | MB sent/rank | max/mean work |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:

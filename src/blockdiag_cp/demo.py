@@ -108,18 +108,14 @@ def reference_losses(rows: list[PackedRow], dtype: torch.dtype) -> list[float]:
     return losses
 
 
-def _bytes_written() -> int:
-    with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("wchar"))
-
-
-def cp_worker(rank: int, world: int, rows, dtype_name, layout, exchange, reference):
+def cp_worker(rank: int, world: int, rows, dtype_name, layout, exchange, kernel, reference):
     """One CP rank: shard each row, forward/backward through blockdiag_cp, sum gradients over CP."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from . import CPConfig, make_cp_blockdiag_batch_and_ctx
     from . import hf  # noqa: F401  (registers attn_implementation="blockdiag_cp")
+    from .bench import bytes_written
     from .loss import add_shift_labels, token_mean_loss
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
@@ -127,12 +123,12 @@ def cp_worker(rank: int, world: int, rows, dtype_name, layout, exchange, referen
     dtype = getattr(torch, dtype_name)
     model = make_model("blockdiag_cp", dtype)
     opt = _optimizer(model)
-    config = CPConfig(layout=layout, kv_exchange=exchange)
+    config = CPConfig(layout=layout, kv_exchange=exchange, kernel=kernel)
     tol = LOSS_TOL[dtype_name]
     log = []
     for step, row in enumerate(rows):
         batch = add_shift_labels({"input_ids": row.input_ids.clone(), "position_ids": row.position_ids.clone()})
-        before = _bytes_written()
+        before = bytes_written()
         train_ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh["cp"], None, batch, config=config)
         with train_ctx() as state:
             logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
@@ -141,7 +137,7 @@ def cp_worker(rank: int, world: int, rows, dtype_name, layout, exchange, referen
             loss, value = token_mean_loss(loss_sum, (targets != -100).sum(), group)
             opt.zero_grad()
             loss.backward()
-        sent = _bytes_written() - before  # forward + backward: K/V exchange and the loss reduction
+        sent = bytes_written() - before  # forward + backward: K/V exchange and the loss reduction
         for p in model.parameters():
             dist.all_reduce(p.grad, group=group)
         opt.step()
@@ -167,12 +163,12 @@ def run_demo(args: argparse.Namespace) -> int:
     rows = pack_rows(docs, args.steps, args.seq_len)
     print(f"blockdiag-cp demo: tiny Llama (2 layers, 4 heads / 2 K/V heads), {args.steps} steps of one packed row "
           f"of {args.seq_len} tokens from {len(docs)} Python stdlib docstrings, {dtype_name}")
-    print(f"reference: transformers alone, unsharded, attn_implementation='sdpa' ...", flush=True)
+    print("reference: transformers alone, unsharded, attn_implementation='sdpa' ...", flush=True)
     dtype = getattr(torch, dtype_name)
     reference = reference_losses(rows, dtype)
-    print(f"CP: {args.world} gloo processes, layout={args.layout}, exchange={args.exchange}, "
+    print(f"CP: {args.world} gloo processes, layout={args.layout}, exchange={args.exchange}, kernel={args.kernel}, "
           f"attn_implementation='blockdiag_cp'", flush=True)
-    logs = spawn(cp_worker, args.world, rows, dtype_name, args.layout, args.exchange, reference, timeout=900)
+    logs = spawn(cp_worker, args.world, rows, dtype_name, args.layout, args.exchange, args.kernel, reference, timeout=900)
     tol = LOSS_TOL[dtype_name]
     cp = [entry["loss"] for entry in logs[0]]
     worst = max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(cp, reference))

@@ -120,9 +120,9 @@ def resolve_doc_ids(batch: Mapping[str, Any], seq_len: int, device, batch_size: 
         )
     else:
         doc_ids, source = torch.ones(batch_size, seq_len, dtype=torch.long), "default (one document)"
-    doc_ids = validate_doc_ids(doc_ids, seq_len, batch_size, source=source)
-    doc_ids = _split_at_position_restarts(doc_ids, batch.get("position_ids"))
-    return doc_ids.to(device)
+    if isinstance(doc_ids, torch.Tensor) and doc_ids.shape == (batch_size, seq_len) and not doc_ids.is_floating_point():
+        doc_ids = _split_at_position_restarts(doc_ids.to(torch.long), batch.get("position_ids"))
+    return validate_doc_ids(doc_ids, seq_len, batch_size, source=source).to(device)
 
 
 #: The seed's name for `resolve_doc_ids` (code outside this repo calls it).

@@ -32,7 +32,5 @@ def gather_sequence(local: torch.Tensor, seq_dim: int = 1, state: Optional[StepS
     rows = local.movedim(seq_dim, 0)
     if state.world > 1:
         rows = AllGatherRows.apply(rows, state.group)
-    geometry = state.geometry
-    gathered_row = geometry.owner * plan.local_len + geometry.local_index
-    full = rows.index_select(0, gathered_row[: plan.seq_len].to(rows.device))
+    full = rows.index_select(0, state.geometry.gathered_row[: plan.seq_len].to(rows.device))
     return full.movedim(0, seq_dim)

@@ -13,6 +13,7 @@ gather, vectorized over all ranks and positions.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -83,11 +84,25 @@ class StepGeometry:
         g0 = pos[starts]
         return Pieces(starts, lengths, g0, self.doc_start[g0])
 
+    @functools.cached_property
+    def longest_document(self) -> int:
+        """Tokens in the longest document (0 when the row is all padding)."""
+        starts = torch.nonzero(run_starts(self.doc_ids)).flatten()
+        lengths = torch.diff(starts, append=torch.tensor([self.doc_ids.numel()]))
+        real = self.doc_ids[starts] != 0
+        return int(lengths[real].max()) if bool(real.any()) else 0
+
     def needed_positions(self, rank: int) -> torch.Tensor:
         """Sorted positions whose keys `rank`'s queries see (owned ones included)."""
         return torch.nonzero(self.need_WS[rank]).flatten()
 
-    def transfer_rows(self) -> torch.Tensor:
+    @functools.cached_property
+    def gathered_row(self) -> torch.Tensor:
+        """``[S_pad]``: each position's row in the rank-ordered concatenation of all shards."""
+        return self.owner * self.plan.local_len + self.local_index
+
+    @functools.cached_property
+    def transfer(self) -> torch.Tensor:
         """``[world(dst), world(src)]`` int64: rows ``dst`` needs that ``src`` owns (0 on the diagonal)."""
         W = self.world
         flat = self.owner.unsqueeze(0) + W * torch.arange(W).unsqueeze(1)

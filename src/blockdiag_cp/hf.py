@@ -14,7 +14,7 @@ uses transformers' public registries, ``AttentionInterface`` and
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +29,13 @@ from .state import build_step_state, current_step
 ATTN_IMPLEMENTATION = "blockdiag_cp"
 
 
-def _refuse_unsupported(module: torch.nn.Module, kwargs: dict[str, Any], longest_doc: Optional[int]) -> None:
+def _refuse_unsupported(module: torch.nn.Module, kwargs: dict[str, Any], longest_doc: Callable[[], Optional[int]]) -> None:
+    """Refuse what per-document causal attention would silently get wrong.
+
+    `longest_doc` is called only when the layer has a sliding window (None: unknown).
+    """
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-    if window is not None and (longest_doc is None or longest_doc > window):
+    if window is not None and (longest_doc() is None or longest_doc() > window):
         raise ValueError(
             f"layer {getattr(module, 'layer_idx', '?')} uses sliding-window attention (window {window}) and a "
             f"document is longer than the window; blockdiag_cp computes full causal attention per document, so it "
@@ -68,16 +72,22 @@ def blockdiag_cp_attention(
     """transformers attention function: ``query [B, H, S, D]`` -> ``([B, S, H, D], None)``."""
     state = current_step()
     if state is not None:
-        _refuse_unsupported(module, kwargs, _longest_document(state.geometry.doc_ids))
+        if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
+            raise ValueError(
+                f"{type(module).__name__} is not causal (e.g. a vision encoder); inside a CP step blockdiag_cp "
+                "computes causal attention per document. Run non-causal modules before sharding, or give them "
+                "another attn_implementation."
+            )
+        _refuse_unsupported(module, kwargs, lambda: state.geometry.longest_document)
         out = cp_blockdiag_sdpa(query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
     doc_ids = _packed_doc_ids(query, kwargs)
     if doc_ids is not None:
-        _refuse_unsupported(module, kwargs, _longest_document(doc_ids))
         local = build_step_state(doc_ids, 1, 0, None, CPConfig(), query.device)
+        _refuse_unsupported(module, kwargs, lambda: local.geometry.longest_document)
         out = attend_in_step(local, query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
-    _refuse_unsupported(module, kwargs, None if kwargs.get("sliding_window") else 0)
+    _refuse_unsupported(module, kwargs, lambda: None)
     q_len, kv_len = query.shape[2], key.shape[2]
     if attention_mask is None and q_len > 1 and getattr(module, "is_causal", True):
         # causal, aligned bottom-right (queries are the last q_len positions, as with a cache)
@@ -87,15 +97,6 @@ def blockdiag_cp_attention(
         scale=scaling, enable_gqa=key.shape[1] != query.shape[1],
     )
     return out.transpose(1, 2).contiguous(), None
-
-
-def _longest_document(doc_ids_S: torch.Tensor) -> int:
-    from .docs import run_starts
-
-    starts = torch.nonzero(run_starts(doc_ids_S)).flatten()
-    lengths = torch.diff(starts, append=torch.tensor([doc_ids_S.numel()], device=starts.device))
-    real = doc_ids_S[starts] != 0
-    return int(lengths[real].max()) if bool(real.any()) else 0
 
 
 def blockdiag_cp_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:

@@ -127,4 +127,9 @@ def plan_shards(doc_ids: torch.Tensor, world: int, layout: str = "contiguous") -
     if ids_1S.shape[1] == 0:
         raise ValueError("doc_ids is empty: the sequence must hold at least one token")
     ids_S = validate_doc_ids(ids_1S, ids_1S.shape[1], 1).reshape(-1).cpu()
-    return _planners()[layout](ids_S, world)
+    return make_plan(ids_S, world, layout)
+
+
+def make_plan(doc_ids_S: torch.Tensor, world: int, layout: str) -> ShardPlan:
+    """`plan_shards` for ids already validated: ``[S]`` int64 on the CPU."""
+    return _planners()[layout](doc_ids_S, world)

@@ -7,8 +7,8 @@ those keys live: state -> exchange -> kernel.
 
 from __future__ import annotations
 
-import logging
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from .state import STEP_SLOT, StepState
 
-logger = logging.getLogger(__name__)
 
 
 def cp_blockdiag_sdpa(
@@ -92,6 +91,10 @@ def _refuse_late_recompute(query: torch.Tensor) -> None:
 def _check_step_shapes(state: StepState, query, key, value, enable_gqa: bool) -> None:
     """`ValueError` unless q/k/v are this rank's ``[1, H, L, D]`` shards."""
     L = state.local_len
+    if query.device.type != state.device.type or (
+        query.device.index is not None and state.device.index is not None and query.device.index != state.device.index
+    ):
+        raise ValueError(f"query is on {query.device} but the step was planned on {state.device} (the batch's device)")
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() != 4 or t.shape[0] != 1 or t.shape[2] != L:
             raise ValueError(
@@ -128,6 +131,8 @@ def _kernel_for(state: StepState, query: torch.Tensor, dropout_p: float):
         except ValueError as exc:
             refusals.append(str(exc))
             continue
+        if refusals:  # shown once per distinct reason (Python's warning registry)
+            warnings.warn(f"blockdiag-cp kernel='auto' uses {kernel.name!r} for this call: {'; '.join(refusals)}")
         return kernel
     hint = "" if state.fallback_kernels else "; use CPConfig(kernel='auto') or another kernel"
     raise ValueError("; ".join(refusals) + hint)

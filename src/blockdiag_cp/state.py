@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 
 from .config import CPConfig
-from .exchange import KVExchange, Traffic
+from .exchange import ExchangeSetup, KVExchange, Traffic, build_exchange
 from .geometry import StepGeometry
-from .kernels import AttentionKernel
-from .layout import ShardPlan, attention_work
+from .kernels import AttentionKernel, fallback_kernels, select_kernel
+from .layout import ShardPlan, attention_work, make_plan
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class StepState:
         config: the step's `CPConfig`.
         rank, world: this rank's index in the CP group and the group's size.
         group: the CP process group (None when world == 1 without a mesh).
+        device: where the step's tensors live (the batch's device).
         geometry: replicated document ids, plan and need matrix.
         exchange: the planned K/V exchange strategy; `exchange_reason` says why.
         kernel: the attention kernel; `kernel_reason` says why.
@@ -48,6 +50,7 @@ class StepState:
     rank: int
     world: int
     group: Any
+    device: torch.device
     geometry: StepGeometry
     exchange: KVExchange
     exchange_reason: str
@@ -127,23 +130,24 @@ def current_step() -> Optional[StepState]:
 def build_step_state(
     doc_ids_S: torch.Tensor, world: int, rank: int, group: Any, config: CPConfig, device: torch.device
 ) -> StepState:
-    """Plan a step from replicated document ids ``[S]``: layout, exchange, kernel.
+    """Plan a step from replicated, validated document ids ``[S]``: layout, exchange, kernel.
 
     Every input is identical on all ranks of the group (the ranks-agree check runs
     before this), so every rank reaches the same plan without communicating.
     """
-    from .exchange import ExchangeSetup, build_exchange
-    from .kernels import fallback_kernels, select_kernel
-    from .layout import plan_shards
-
-    plan = plan_shards(doc_ids_S, world, config.layout)
+    plan = make_plan(doc_ids_S.cpu(), world, config.layout)
     geometry = StepGeometry.build(plan, doc_ids_S)
-    kernel, kernel_reason = select_kernel(config.kernel, device)
+    kernel, kernel_reason = select_kernel(config.kernel, device, need_lse=config.kv_exchange == "ring")
     fallbacks = fallback_kernels(config.kernel, kernel, device)
     setup = ExchangeSetup(geometry, rank, group, (kernel, *fallbacks), device)
     exchange, exchange_reason = build_exchange(config.kv_exchange, setup)
+    if group is not None and exchange.uses_p2p and not config.check_ranks_agree and dist.get_backend(group) == "nccl":
+        # NCCL: point-to-point must not be the first operation on a communicator
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
     logger.debug(
         "blockdiag-cp step: rank %d/%d layout=%s exchange=%s (%s) kernel=%s (%s)",
         rank, world, plan.layout, exchange.name, exchange_reason, kernel.name, kernel_reason,
     )
-    return StepState(config, rank, world, group, geometry, exchange, exchange_reason, kernel, kernel_reason, fallbacks)
+    return StepState(
+        config, rank, world, group, device, geometry, exchange, exchange_reason, kernel, kernel_reason, fallbacks
+    )

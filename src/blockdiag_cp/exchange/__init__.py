@@ -6,6 +6,7 @@ from .allgather import AllGatherExchange
 from .base import ExchangeSetup, KVExchange, Traffic
 from .local import LocalExchange
 from .needed import AllToAllExchange, HaloExchange, halo_unsupported_reason
+from .ring import RingExchange
 
 
 def build_exchange(requested: str, setup: ExchangeSetup) -> tuple[KVExchange, str]:
@@ -26,8 +27,6 @@ def build_exchange(requested: str, setup: ExchangeSetup) -> tuple[KVExchange, st
             return HaloExchange(setup), "requested"
         return AllToAllExchange(setup), f"halo requested but {why_not}: using a2a (exact, needed-only)"
     if requested == "ring":
-        from .ring import RingExchange
-
         return RingExchange(setup), "requested"
     assert requested == "auto", requested
     return _auto(setup)
@@ -35,7 +34,7 @@ def build_exchange(requested: str, setup: ExchangeSetup) -> tuple[KVExchange, st
 
 def _auto(setup: ExchangeSetup) -> tuple[KVExchange, str]:
     """The cheapest exact exchange: needed-only rows, over the fewest messages."""
-    transfer = setup.geometry.transfer_rows()
+    transfer = setup.geometry.transfer
     if not bool(transfer.any()):
         return AllToAllExchange(setup), "auto: no document crosses a rank boundary; no communication"
     if halo_unsupported_reason(setup) is None:

@@ -20,9 +20,7 @@ class AllGatherExchange(BufferExchange):
         geometry, L, W = setup.geometry, setup.local_len, setup.world
         needed = geometry.needed_positions(setup.rank)
         self.group = setup.group
-        self._rows = W * L
-        self._local_len = L
-        gathered_row = geometry.owner * L + geometry.local_index  # [S_pad]
+        self._moved = (W - 1) * L
         if geometry.plan.layout == "contiguous":
             lo = int(needed[0]) if needed.numel() else 0
             hi = int(needed[-1]) + 1 if needed.numel() else 0
@@ -31,7 +29,7 @@ class AllGatherExchange(BufferExchange):
             buffer_positions = torch.arange(lo, hi)
         else:
             self._slice = None
-            self._index = gathered_row[needed].to(setup.device)
+            self._index = geometry.gathered_row[needed].to(setup.device)
             buffer_positions = needed
         super().__init__(setup, buffer_positions)
 
@@ -39,8 +37,7 @@ class AllGatherExchange(BufferExchange):
     def traffic(self) -> Traffic:
         """A ring all-gather sends and receives every other rank's rows; a ring reduce-scatter
         likewise. (gloo implements reduce-scatter as an all-reduce and sends twice that.)"""
-        moved = self._rows - self._local_len
-        return Traffic(moved, moved, moved, moved)
+        return Traffic(self._moved, self._moved, self._moved, self._moved)
 
     def fetch(self, kv_L2HD: torch.Tensor) -> torch.Tensor:
         gathered = AllGatherRows.apply(kv_L2HD, self.group)

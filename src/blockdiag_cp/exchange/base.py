@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, ClassVar, Mapping
 
 import torch
@@ -63,6 +64,8 @@ class KVExchange(ABC):
     """Strategy: deliver the K/V a rank's queries need and attend over it."""
 
     name: ClassVar[str]
+    #: sends point-to-point (NCCL needs a group-wide collective on the group first)
+    uses_p2p: ClassVar[bool] = False
 
     @property
     @abstractmethod
@@ -113,7 +116,9 @@ class BufferExchange(KVExchange):
     def __init__(self, setup: ExchangeSetup, buffer_positions: torch.Tensor) -> None:
         self.buffer_positions = buffer_positions
         self.items = items_over_buffer(setup.pieces(), buffer_positions, setup.local_len)
-        self.kernel_plans: Mapping[str, Any] = {k.name: k.prepare(self.items, setup.device) for k in setup.kernels}
+        self.kernel_plans: Mapping[str, Any] = MappingProxyType(
+            {k.name: k.prepare(self.items, setup.device) for k in setup.kernels}
+        )
 
     @abstractmethod
     def fetch(self, kv_L2HD: torch.Tensor) -> torch.Tensor:
@@ -122,4 +127,9 @@ class BufferExchange(KVExchange):
     def attend(self, q_HLD, k_HLD, v_HLD, kernel, scale, dropout_p):
         buffer = self.fetch(fuse_kv(k_HLD, v_HLD))
         k_buf, v_buf = split_kv(buffer)
-        return kernel.attend(self.kernel_plans[kernel.name], q_HLD, k_buf, v_buf, scale, dropout_p)
+        out = kernel.attend(self.kernel_plans[kernel.name], q_HLD, k_buf, v_buf, scale, dropout_p)
+        if self.items.size == 0:
+            # A rank of only padding: its zeros must still depend on q and the fetched
+            # buffer, so its backward runs the exchange's collectives like every other rank.
+            out = out + 0.0 * (q_HLD.sum() + buffer.sum())
+        return out

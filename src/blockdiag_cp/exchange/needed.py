@@ -35,7 +35,7 @@ class NeededOnlyExchange(BufferExchange):
     def __init__(self, setup: ExchangeSetup) -> None:
         geometry, rank, L = setup.geometry, setup.rank, setup.local_len
         owner, local_index = geometry.owner, geometry.local_index
-        transfer = geometry.transfer_rows()  # [dst, src]
+        transfer = geometry.transfer  # [dst, src]
         self.group = setup.group
         self.send_splits = transfer[:, rank].tolist()
         self.recv_splits = transfer[rank, :].tolist()
@@ -81,6 +81,7 @@ class AllToAllExchange(NeededOnlyExchange):
 
 class HaloExchange(NeededOnlyExchange):
     name = "halo"
+    uses_p2p = True
 
     def __init__(self, setup: ExchangeSetup) -> None:
         reason = halo_unsupported_reason(setup)
@@ -93,12 +94,9 @@ class HaloExchange(NeededOnlyExchange):
 
 def halo_unsupported_reason(setup: ExchangeSetup) -> str | None:
     """Why `halo` cannot serve this step (None if it can): a rank needs keys beyond its left neighbour."""
-    transfer = setup.geometry.transfer_rows()
-    W = setup.world
-    for dst in range(W):
-        for src in range(W):
-            if transfer[dst, src] and src != (dst - 1) % W:
-                return f"rank {dst} needs keys owned by rank {src}, not its left neighbour"
-            if transfer[dst, src] and dst == 0:
-                return "rank 0 needs keys from the last rank (the layout wraps)"
+    dst, src = torch.nonzero(setup.geometry.transfer, as_tuple=True)
+    beyond = (src != dst - 1) | (dst == 0)
+    if bool(beyond.any()):
+        d, s = int(dst[beyond][0]), int(src[beyond][0])
+        return f"rank {d} needs keys owned by rank {s}, not only its left neighbour"
     return None

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import AttentionKernel, ItemTable, merge_partial
+from ..kernels.base import accumulate_dtype
 from .base import ExchangeSetup, KVExchange, Traffic, fuse_kv, split_kv
 
 
@@ -38,6 +39,7 @@ class Hop:
     """One hop's plan for this rank (all index tensors on the device).
 
     Attributes:
+        owner: the rank whose block is held at this hop.
         items: this rank's queries against the block held at this hop.
         kernel_plans: per-kernel metadata for `items`.
         send_index: rows of the held block to send on (None: send nothing).
@@ -73,6 +75,7 @@ class _P2P:
 
 class RingExchange(KVExchange):
     name = "ring"
+    uses_p2p = True
 
     def __init__(self, setup: ExchangeSetup) -> None:
         for kernel in setup.kernels:
@@ -101,11 +104,13 @@ class RingExchange(KVExchange):
         if t == self.world - 1:
             return None
         hop = self.hops[t]
-        sends = [] if hop.send_index is None else [(block.index_select(0, hop.send_index), (self.rank + 1) % self.world)]
-        recvs = [] if hop.recv_rows == 0 else [(block.new_empty((hop.recv_rows, *block.shape[1:])), (self.rank - 1) % self.world)]
+        right, left = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        sends = [] if hop.send_index is None else [(block.index_select(0, hop.send_index), right)]
+        recvs = [] if hop.recv_rows == 0 else [(block.new_empty((hop.recv_rows, *block.shape[1:])), left)]
         return _P2P(self.group, sends, recvs)
 
-    def next_block(self, t: int, pending: Optional[_P2P], block: torch.Tensor) -> torch.Tensor:
+    def next_block(self, pending: Optional[_P2P], block: torch.Tensor) -> torch.Tensor:
+        """The block for the next hop (empty when nothing arrives)."""
         received = pending.wait() if pending is not None else []
         return received[0] if received else block[:0]
 
@@ -117,9 +122,9 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q_HLD, k_HLD, v_HLD, ring: RingExchange, kernel: AttentionKernel, scale: float, dropout_p: float):
         block = fuse_kv(k_HLD, v_HLD)
         H, L, D = q_HLD.shape
-        lse_dtype = torch.float64 if q_HLD.dtype == torch.float64 else torch.float32
-        o = torch.zeros(H, L, D, dtype=lse_dtype, device=q_HLD.device)
-        lse = torch.full((H, L), float("-inf"), dtype=lse_dtype, device=q_HLD.device)
+        acc = accumulate_dtype(q_HLD.dtype)
+        o = torch.zeros(H, L, D, dtype=acc, device=q_HLD.device)
+        lse = torch.full((H, L), float("-inf"), dtype=acc, device=q_HLD.device)
         auxes = []
         for t, hop in enumerate(ring.hops):
             pending = ring.circulate(t, block)
@@ -129,7 +134,7 @@ class _RingAttention(torch.autograd.Function):
                 o_t, lse_t, aux = kernel.forward(hop.kernel_plans[kernel.name], q_HLD, k, v, scale, dropout_p)
                 o, lse = merge_partial(o, lse, o_t, lse_t)
             auxes.append(aux)
-            block = ring.next_block(t, pending, block)
+            block = ring.next_block(pending, block)
         o = o.to(q_HLD.dtype)
         ctx.save_for_backward(q_HLD, k_HLD, v_HLD, o, lse)
         ctx.ring, ctx.kernel, ctx.auxes, ctx.scale, ctx.dropout_p = ring, kernel, auxes, scale, dropout_p
@@ -140,7 +145,7 @@ class _RingAttention(torch.autograd.Function):
         q, k_own, v_own, o, lse = ctx.saved_tensors
         ring, kernel = ctx.ring, ctx.kernel
         do_HLD = do_HLD.contiguous()
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        acc = accumulate_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         block = fuse_kv(k_own, v_own)
         d_own = torch.zeros(block.shape, dtype=acc, device=q.device)
@@ -155,7 +160,7 @@ class _RingAttention(torch.autograd.Function):
                 dq += dq_t
                 d_block = fuse_kv(dk_t, dv_t)
             _return_block_grads(ring, t, hop, d_block, d_own)
-            block = ring.next_block(t, pending, block)
+            block = ring.next_block(pending, block)
         dk, dv = split_kv(d_own)
         return dq.to(q.dtype), dk.to(k_own.dtype), dv.to(v_own.dtype), None, None, None, None
 

@@ -23,21 +23,24 @@ def _installed(module: str) -> bool:
         return False
 
 
-def select_kernel(requested: str, device: torch.device) -> tuple[AttentionKernel, str]:
+def select_kernel(requested: str, device: torch.device, need_lse: bool = False) -> tuple[AttentionKernel, str]:
     """Return the kernel for `requested` on `device` and why it was chosen.
 
     The decision depends only on the request, the device type and what is installed,
-    so every rank of a CP group reaches the same one before any collective.
+    so every rank of a CP group reaches the same one before any collective. With
+    `need_lse` (the ring exchange), ``"auto"`` only considers `LseKernel` kernels.
     """
     if requested in GPU_ONLY and device.type != "cuda":
         raise ValueError(f"kernel={requested!r} is a GPU kernel and is not available on {device.type}; "
                          "use kernel='auto', 'sdpa' or 'dense'")
-    named = {"dense": DenseKernel, "flash": FlashKernel, "te": TEKernel, "flex": FlexKernel}
+    named = {"dense": DenseKernel, "flash": FlashKernel, "te": TEKernel}
     if requested in named:
         return named[requested](), "requested"
-    if requested == "sdpa":
-        return SdpaKernel(device), "requested"
+    if requested in ("sdpa", "flex"):
+        return (SdpaKernel if requested == "sdpa" else FlexKernel)(device), "requested"
     assert requested == "auto", requested
+    if device.type == "cuda" and need_lse:
+        return SdpaKernel(device), "auto: the ring merges by log-sum-exp; PyTorch fused attention per piece"
     if device.type == "cuda":
         if _installed("flash_attn"):
             return FlashKernel(), "auto: flash-attn varlen is installed (fp16/bf16; sdpa otherwise)"

@@ -73,11 +73,6 @@ class ItemTable:
     def size(self) -> int:
         return self.q_start.numel()
 
-    @staticmethod
-    def empty(num_q_rows: int, num_k_rows: int) -> "ItemTable":
-        zero = torch.zeros(0, dtype=torch.long)
-        return ItemTable(zero, zero, zero, zero, zero.bool(), num_q_rows, num_k_rows)
-
     def row_key_ranges(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``([L], [L])`` int64: each query row sees buffer keys ``[lo, hi)`` (empty: lo == hi)."""
         lo = torch.zeros(self.num_q_rows, dtype=torch.long)
@@ -179,6 +174,24 @@ class ItemAttention(torch.autograd.Function):
             ctx.plan, do_HLD.contiguous(), q, k, v, o, lse, ctx.aux, ctx.scale, ctx.dropout_p
         )
         return dq, dk, dv, None, None, None, None
+
+
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; everything else accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def expand_heads(t: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
+    """Repeat K/V heads along `dim` so each serves ``heads // t.shape[dim]`` query heads."""
+    groups = heads // t.shape[dim]
+    return t if groups == 1 else t.repeat_interleave(groups, dim=dim)
+
+
+def fold_heads(t: torch.Tensor, groups: int, dim: int) -> torch.Tensor:
+    """Sum each run of `groups` heads along `dim` (the gradient of `expand_heads`)."""
+    shape = list(t.shape)
+    shape[dim : dim + 1] = [shape[dim] // groups, groups]
+    return t.reshape(shape).sum(dim=dim + 1)
 
 
 def merge_partial(

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import ItemTable, LseKernel
+from .base import ItemTable, LseKernel, accumulate_dtype, expand_heads, fold_heads
 
 
 @dataclass(frozen=True)
@@ -20,21 +20,6 @@ class DensePlan:
 
     k_lo: torch.Tensor
     k_hi: torch.Tensor
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _expand_heads(t_HND: torch.Tensor, heads: int) -> torch.Tensor:
-    """``[Hk, N, D]`` -> ``[H, N, D]`` (each K/V head serves ``H // Hk`` query heads)."""
-    return t_HND.repeat_interleave(heads // t_HND.shape[0], dim=0)
-
-
-def _fold_heads(t_HND: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """``[H, N, D]`` -> ``[Hk, N, D]``: sum the gradients of each query-head group."""
-    H, N, D = t_HND.shape
-    return t_HND.reshape(kv_heads, H // kv_heads, N, D).sum(dim=1)
 
 
 class DenseKernel(LseKernel):
@@ -48,8 +33,8 @@ class DenseKernel(LseKernel):
     @staticmethod
     def _probs(plan: DensePlan, q_HLD, k_HND, scale: float, lse_HL=None):
         """Masked scores and probabilities ``[H, L, N]`` (and lse if not given)."""
-        ct = _compute_dtype(q_HLD.dtype)
-        k = _expand_heads(k_HND, q_HLD.shape[0]).to(ct)
+        ct = accumulate_dtype(q_HLD.dtype)
+        k = expand_heads(k_HND, q_HLD.shape[0], 0).to(ct)
         scores = torch.matmul(q_HLD.to(ct), k.transpose(-1, -2)) * scale
         cols = torch.arange(k_HND.shape[1], device=q_HLD.device)
         visible_LN = (cols >= plan.k_lo[:, None]) & (cols < plan.k_hi[:, None])
@@ -66,25 +51,25 @@ class DenseKernel(LseKernel):
         if dropout_p > 0.0:
             keep = torch.rand_like(probs) >= dropout_p
             probs = probs * keep / (1.0 - dropout_p)
-        v = _expand_heads(v_HND, q_HLD.shape[0]).to(probs.dtype)
+        v = expand_heads(v_HND, q_HLD.shape[0], 0).to(probs.dtype)
         o = torch.matmul(probs, v).to(q_HLD.dtype)
         return o, lse, keep
 
     def backward(self, plan, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale, dropout_p):
-        ct = _compute_dtype(q_HLD.dtype)
+        ct = accumulate_dtype(q_HLD.dtype)
         H, Hk = q_HLD.shape[0], k_HND.shape[0]
         probs, _ = self._probs(plan, q_HLD, k_HND, scale, lse_HL)
         do = do_HLD.to(ct)
         kept = probs if aux is None else probs * aux / (1.0 - dropout_p)
         dv = torch.matmul(kept.transpose(-1, -2), do)
-        dkept = torch.matmul(do, _expand_heads(v_HND, H).to(ct).transpose(-1, -2))
+        dkept = torch.matmul(do, expand_heads(v_HND, H, 0).to(ct).transpose(-1, -2))
         dprobs = dkept if aux is None else dkept * aux / (1.0 - dropout_p)
         delta = (do * o_HLD.to(ct)).sum(dim=-1, keepdim=True)
         dscores = probs * (dprobs - delta) * scale
-        dq = torch.matmul(dscores, _expand_heads(k_HND, H).to(ct))
+        dq = torch.matmul(dscores, expand_heads(k_HND, H, 0).to(ct))
         dk = torch.matmul(dscores.transpose(-1, -2), q_HLD.to(ct))
         return (
             dq.to(q_HLD.dtype),
-            _fold_heads(dk, Hk).to(k_HND.dtype),
-            _fold_heads(dv, Hk).to(v_HND.dtype),
+            fold_heads(dk, H // Hk, 0).to(k_HND.dtype),
+            fold_heads(dv, H // Hk, 0).to(v_HND.dtype),
         )

@@ -7,7 +7,6 @@ has no FlexAttention backward on CPU, so training on CPU is refused (inference w
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +25,12 @@ class FlexKernel(AttentionKernel):
     name = "flex"
     supports_dropout = False
     supports_lse = False
+
+    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # compiled on GPU (a fused kernel); eager on CPU, where only the forward exists
+        self._flex = torch.compile(flex_attention) if device.type == "cuda" else flex_attention
 
     def prepare(self, items: ItemTable, device: torch.device) -> FlexPlan:
         from torch.nn.attention.flex_attention import create_block_mask
@@ -49,17 +54,10 @@ class FlexKernel(AttentionKernel):
 
     def attend(self, plan: FlexPlan, q_HLD, k_HND, v_HND, scale, dropout_p):
         if k_HND.shape[1] == 0:
-            return torch.zeros_like(q_HLD) + 0.0 * k_HND.sum() + 0.0 * v_HND.sum()
-        out = _flex_attention(q_HLD.device.type)(
+            return torch.zeros_like(q_HLD)
+        out = self._flex(
             q_HLD.unsqueeze(0), k_HND.unsqueeze(0), v_HND.unsqueeze(0), block_mask=plan.block_mask,
             scale=scale, enable_gqa=q_HLD.shape[0] != k_HND.shape[0],
         )[0]
         return torch.where(plan.has_keys[None, :, None], out, torch.zeros_like(out))
 
-
-@functools.lru_cache(maxsize=None)
-def _flex_attention(device_type: str):
-    """FlexAttention, compiled on GPU (fused kernel); eager on CPU (forward only there)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention) if device_type == "cuda" else flex_attention

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from .base import ItemTable, LseKernel, merge_partial
+from .base import ItemTable, LseKernel, accumulate_dtype, expand_heads, fold_heads, merge_partial
 
 
 def cpu_fused_ops():
@@ -64,26 +64,21 @@ class CudaFusedOps:
         self._bwd = torch.ops.aten._scaled_dot_product_efficient_attention_backward
 
     def fwd(self, q, k, v, causal: bool, scale: float):
-        k, v = (_expand_heads(t, q.shape[1]) for t in (k, v))
+        k, v = (expand_heads(t, q.shape[1], 1) for t in (k, v))
         o, lse, _, _ = self._fwd(q, k, v, None, True, 0.0, causal, scale=scale)
         return o, lse[..., : q.shape[2]]
 
     def bwd(self, do, q, k, v, o, lse, causal: bool, scale: float):
         kv_heads = k.shape[1]
-        k, v = (_expand_heads(t, q.shape[1]) for t in (k, v))
+        k, v = (expand_heads(t, q.shape[1], 1) for t in (k, v))
         pad = -q.shape[2] % 32
         lse = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
         zero = torch.zeros((), dtype=torch.long, device=q.device)
         dq, dk, dv, _ = self._bwd(do, q, k, v, None, o, lse, zero, zero, 0.0, [True, True, True, False], causal, scale=scale)
         groups = q.shape[1] // kv_heads
         if groups > 1:
-            dk, dv = (_fold_heads(t.float(), groups).to(t.dtype) for t in (dk, dv))
+            dk, dv = (fold_heads(t.float(), groups, 1).to(t.dtype) for t in (dk, dv))
         return dq, dk, dv
-
-
-def _expand_heads(t_NHLD: torch.Tensor, heads: int) -> torch.Tensor:
-    groups = heads // t_NHLD.shape[1]
-    return t_NHLD if groups == 1 else t_NHLD.repeat_interleave(groups, dim=1)
 
 
 def fused_ops_for(device: torch.device):
@@ -165,12 +160,6 @@ def plan_fused_calls(items: ItemTable, device: torch.device) -> tuple[FusedCall,
     )
 
 
-def _fold_heads(t_NHLD: torch.Tensor, groups: int) -> torch.Tensor:
-    """``[n, Hk * groups, l, D]`` -> ``[n, Hk, l, D]``: sum each query-head group."""
-    n, H, l, D = t_NHLD.shape
-    return t_NHLD.reshape(n, H // groups, groups, l, D).sum(dim=2)
-
-
 class SdpaKernel(LseKernel):
     name = "sdpa"
     supports_dropout = False
@@ -178,6 +167,10 @@ class SdpaKernel(LseKernel):
     def __init__(self, device: torch.device = torch.device("cpu")) -> None:
         self.device_type = device.type
         self._ops = fused_ops_for(device)
+
+    def check(self, q_HLD: torch.Tensor, dropout_p: float) -> None:
+        if self.device_type == "cuda" and q_HLD.dtype == torch.float64:
+            raise ValueError("kernel='sdpa' on CUDA runs in float32/float16/bfloat16, not float64; use kernel='dense'")
 
     def prepare(self, items: ItemTable, device: torch.device) -> tuple[FusedCall, ...]:
         if device.type != self.device_type:
@@ -187,9 +180,8 @@ class SdpaKernel(LseKernel):
     def forward(self, plan, q_HLD, k_HND, v_HND, scale, dropout_p):
         assert dropout_p == 0.0, "callers route dropout to a kernel that supports it"
         H, L, _ = q_HLD.shape
-        lse_dtype = torch.float64 if q_HLD.dtype == torch.float64 else torch.float32
         o = torch.zeros_like(q_HLD)
-        lse = torch.full((H, L), float("-inf"), dtype=lse_dtype, device=q_HLD.device)
+        lse = torch.full((H, L), float("-inf"), dtype=accumulate_dtype(q_HLD.dtype), device=q_HLD.device)
         for call in plan:
             q, k, v = call.q_rows.take(q_HLD), call.k_rows.take(k_HND), call.k_rows.take(v_HND)
             o_part, lse_part = self._ops.fwd(q, k, v, call.causal, scale)
@@ -200,7 +192,7 @@ class SdpaKernel(LseKernel):
         return o, lse, None
 
     def backward(self, plan, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale, dropout_p):
-        acc = torch.float64 if q_HLD.dtype == torch.float64 else torch.float32
+        acc = accumulate_dtype(q_HLD.dtype)
         dq = torch.zeros(q_HLD.shape, dtype=acc, device=q_HLD.device)
         dk = torch.zeros(k_HND.shape, dtype=acc, device=k_HND.device)
         dv = torch.zeros(v_HND.shape, dtype=acc, device=v_HND.device)
@@ -210,11 +202,11 @@ class SdpaKernel(LseKernel):
         for call in plan:
             q, k, v = call.q_rows.take(q_HLD), call.k_rows.take(k_HND), call.k_rows.take(v_HND)
             if groups > 1:
-                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+                k, v = expand_heads(k, q.shape[1], 1), expand_heads(v, q.shape[1], 1)
             do, o, lse = (call.q_rows.take(t) for t in (do_HLD, o_HLD, lse_HL))
             dq_p, dk_p, dv_p = self._ops.bwd(do.contiguous(), q, k, v, o.contiguous(), lse.contiguous(), call.causal, scale)
             if groups > 1:
-                dk_p, dv_p = (_fold_heads(t.to(acc), groups) for t in (dk_p, dv_p))
+                dk_p, dv_p = (fold_heads(t.to(acc), groups, 1) for t in (dk_p, dv_p))
             call.q_rows.put(dq, dq_p, accumulate=True)
             call.k_rows.put(dk, dk_p, accumulate=True)
             call.k_rows.put(dv, dv_p, accumulate=True)

@@ -29,6 +29,16 @@ class TEKernel(AttentionKernel):
 
     def __init__(self) -> None:
         self._te = import_te_pytorch()
+        self._modules: dict[tuple, object] = {}  # one DotProductAttention per head layout, for this step
+
+    def _module(self, heads: int, head_dim: int, kv_heads: int, scale: float):
+        key = (heads, head_dim, kv_heads, scale)
+        if key not in self._modules:
+            self._modules[key] = self._te.DotProductAttention(
+                num_attention_heads=heads, kv_channels=head_dim, num_gqa_groups=kv_heads, attention_dropout=0.0,
+                qkv_format="thd", softmax_scale=scale,
+            )
+        return self._modules[key]
 
     def prepare(self, items: ItemTable, device: torch.device):
         return build_varlen_segments(items, device)
@@ -39,10 +49,7 @@ class TEKernel(AttentionKernel):
 
     def attend(self, plan, q_HLD, k_HND, v_HND, scale, dropout_p):
         H, _, D = q_HLD.shape
-        attention = self._te.DotProductAttention(
-            num_attention_heads=H, kv_channels=D, num_gqa_groups=k_HND.shape[0], attention_dropout=0.0,
-            qkv_format="thd", softmax_scale=scale,
-        )
+        attention = self._module(H, D, k_HND.shape[0], scale)
 
         def call(seg, q, k, v):
             out = attention(

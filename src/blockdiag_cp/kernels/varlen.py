@@ -53,22 +53,19 @@ def _cumulative(lengths: torch.Tensor) -> torch.Tensor:
 
 
 def validate_segments(seg: "VarlenSegments", num_q_rows: int, num_k_rows: int) -> None:
-    """Host checks, once per step: monotone, in bounds, ``q_len <= k_len`` for causal segments."""
+    """Host checks, once per step: monotone, in bounds, ``q_len <= k_len`` for causal segments.
+
+    The segments derive from a validated `ItemTable`, so a failure is a bug here.
+    """
     cu_q, cu_k = seg.cu_seqlens_q.cpu().long(), seg.cu_seqlens_k.cpu().long()
     q_len, k_len = torch.diff(cu_q), torch.diff(cu_k)
-    if bool((q_len <= 0).any()) or bool((k_len <= 0).any()):
-        raise ValueError("varlen metadata: every segment needs at least one query and one key")
-    if seg.causal and bool((q_len > k_len).any()):
-        raise ValueError("varlen metadata: a bottom-right causal segment has more queries than keys")
-    if int(cu_q[-1]) != seg.q_rows.numel() or int(cu_k[-1]) != seg.k_rows.numel():
-        raise ValueError("varlen metadata: cumulative lengths do not match the packed rows")
+    assert bool((q_len > 0).all()) and bool((k_len > 0).all()), "empty varlen segment"
+    assert not seg.causal or bool((q_len <= k_len).all()), "causal segment with more queries than keys"
+    assert int(cu_q[-1]) == seg.q_rows.numel() and int(cu_k[-1]) == seg.k_rows.numel(), "cu_seqlens != rows"
     q_rows, k_rows = seg.q_rows.cpu(), seg.k_rows.cpu()
-    if q_rows.numel() and (int(q_rows.min()) < 0 or int(q_rows.max()) >= num_q_rows):
-        raise ValueError("varlen metadata: a query row is out of bounds")
-    if k_rows.numel() and (int(k_rows.min()) < 0 or int(k_rows.max()) >= num_k_rows):
-        raise ValueError("varlen metadata: a key row is out of bounds")
-    if seg.max_seqlen_q != int(q_len.max()) or seg.max_seqlen_k != int(k_len.max()):
-        raise ValueError("varlen metadata: max lengths disagree with the segments")
+    assert 0 <= int(q_rows.min()) and int(q_rows.max()) < num_q_rows, "query row out of bounds"
+    assert 0 <= int(k_rows.min()) and int(k_rows.max()) < num_k_rows, "key row out of bounds"
+    assert seg.max_seqlen_q == int(q_len.max()) and seg.max_seqlen_k == int(k_len.max()), "max lengths"
 
 
 def build_varlen_segments(items: ItemTable, device: torch.device) -> tuple[VarlenSegments, ...]:
