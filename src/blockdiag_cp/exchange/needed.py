@@ -22,6 +22,7 @@ added to the owners' local gradients. Only the transport differs:
 from __future__ import annotations
 
 from abc import abstractmethod
+from typing import Optional
 
 import torch
 
@@ -54,6 +55,7 @@ class NeededOnlyExchange(BufferExchange):
             order_in_src[at_j] = torch.arange(int(at_j.sum()))
         assemble = torch.where(src == rank, local_index[needed], L + recv_offset[src] + order_in_src)
         self.assemble = assemble.to(setup.device)
+        self.assemble_runs = _runs(assemble, L)
         super().__init__(setup, needed)
 
     @property
@@ -66,10 +68,30 @@ class NeededOnlyExchange(BufferExchange):
         """Differentiable: rows grouped by destination -> rows grouped by source."""
 
     def fetch(self, kv_L2HD: torch.Tensor) -> torch.Tensor:
-        if not self.any_transfer:
-            return kv_L2HD.index_select(0, self.assemble)
-        received = self.transport(kv_L2HD.index_select(0, self.send_rows))
-        return torch.cat([kv_L2HD, received]).index_select(0, self.assemble)
+        received = self.transport(kv_L2HD.index_select(0, self.send_rows)) if self.any_transfer else kv_L2HD[:0]
+        if self.assemble_runs is None:
+            return torch.cat([kv_L2HD, received]).index_select(0, self.assemble)
+        sources = (kv_L2HD, received)
+        parts = [sources[src].narrow(0, start, length) for src, start, length in self.assemble_runs]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)  # contiguous layouts: a view or one copy
+
+
+def _runs(assemble: torch.Tensor, local_len: int, max_runs: int = 8) -> Optional[list[tuple[int, int, int]]]:
+    """`assemble` as a few ``(source, start, length)`` slices (source 0: local rows, 1:
+    received rows), or None when it has more than `max_runs` runs (then index it)."""
+    if assemble.numel() == 0:
+        return [(0, 0, 0)]
+    received = assemble >= local_len
+    breaks = torch.nonzero((assemble[1:] != assemble[:-1] + 1) | (received[1:] != received[:-1]))
+    starts = [0] + (breaks.flatten() + 1).tolist()
+    if len(starts) > max_runs:
+        return None
+    ends = starts[1:] + [assemble.numel()]
+    out = []
+    for a, b in zip(starts, ends):
+        first = int(assemble[a])
+        out.append((1, first - local_len, b - a) if first >= local_len else (0, first, b - a))
+    return out
 
 
 class AllToAllExchange(NeededOnlyExchange):
