@@ -73,6 +73,10 @@ class NeededOnlyExchange(BufferExchange):
             return torch.cat([kv_L2HD, received]).index_select(0, self.assemble)
         sources = (kv_L2HD, received)
         parts = [sources[src].narrow(0, start, length) for src, start, length in self.assemble_runs]
+        if self.any_transfer and all(src == 0 for src, _, _ in self.assemble_runs):
+            # this rank only sends: keep the received rows in the graph so its backward
+            # still runs the transport's collective, matched with the ranks that receive
+            parts.append(received[:0])
         return parts[0] if len(parts) == 1 else torch.cat(parts)  # contiguous layouts: a view or one copy
 
 
