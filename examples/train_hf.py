@@ -77,6 +77,7 @@ def main() -> None:
             print(f"step {step + 1}/{args.steps}  loss {value.item():.4f}  exchange={state.exchange.name} "
                   f"kernel={state.kernel.name}  cp work max/mean {work.max().item() / work.float().mean().item():.3f}",
                   flush=True)
+    dist.barrier()  # every rank is past its last collective before the group is torn down
     dist.destroy_process_group()
 
 
