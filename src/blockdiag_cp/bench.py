@@ -270,6 +270,7 @@ def _plot_bench(results: list[BenchResult], path: str) -> str:
             axes[2].bar(offset, r.work, width=0.4, label=r.spec.impl)
     for ax, title in zip(axes, ("MB sent per rank (fwd+bwd)", "peak RSS per rank (GB)", "attention work per rank")):
         ax.set(title=title, xlabel="rank")
+        ax.set_xticks(range(len(results[0].sent_mb)))
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -40,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="train a tiny Llama under CP beside the single-process reference")
     _add_attention_args(demo)
-    demo.add_argument("--steps", type=_positive, default=8)
-    demo.add_argument("--seq-len", type=_positive, default=512)
+    demo.add_argument("--steps", type=_positive, default=20)
+    demo.add_argument("--seq-len", type=_positive, default=1024)
     demo.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     demo.add_argument("--out", default="blockdiag_cp_demo.png", help="where to write the PNG")
 

@@ -214,6 +214,8 @@ def _plot(out: str, cp: list[float], reference: list[float], logs) -> str:
     sent = [sum(e["sent_bytes"] for e in logs[r]) / len(logs[r]) / 1e3 for r in range(world)]
     axes[2].bar(range(world), sent)
     axes[2].set(title="bytes sent per step, forward+backward", xlabel="rank", ylabel="kB")
+    for ax in axes[1:]:
+        ax.set_xticks(range(world))
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     return out
