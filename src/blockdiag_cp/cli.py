@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--kv-heads", type=_positive, default=8)
     bench.add_argument("--head-dim", type=_positive, default=64)
     bench.add_argument("--repeats", type=_positive, default=3)
-    bench.add_argument("--reference", action="store_true", help="also run the seed's nemo-automodel reference")
+    bench.add_argument("--reference", choices=("auto", "yes", "no"), default="auto",
+                       help="also run the seed's nemo-automodel reference (auto: when it is importable)")
     bench.add_argument("--out", default="blockdiag_cp_bench", help="prefix of the .md and .png written")
     return parser
 
