@@ -29,13 +29,16 @@ from .state import build_step_state, current_step
 ATTN_IMPLEMENTATION = "blockdiag_cp"
 
 
-def _refuse_unsupported(module: torch.nn.Module, kwargs: dict[str, Any], longest_doc: Callable[[], Optional[int]]) -> None:
+def _refuse_unsupported(
+    module: torch.nn.Module, kwargs: dict[str, Any], longest_doc: Callable[[], Optional[int]]
+) -> None:
     """Refuse what per-document causal attention would silently get wrong.
 
     `longest_doc` is called only when the layer has a sliding window (None: unknown).
     """
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-    if window is not None and (longest_doc() is None or longest_doc() > window):
+    longest = longest_doc() if window is not None else None
+    if window is not None and (longest is None or longest > window):
         raise ValueError(
             f"layer {getattr(module, 'layer_idx', '?')} uses sliding-window attention (window {window}) and a "
             f"document is longer than the window; blockdiag_cp computes full causal attention per document, so it "
