@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from .state import STEP_SLOT, StepState
 
 
-
 def cp_blockdiag_sdpa(
     query: torch.Tensor,
     key: torch.Tensor,
