@@ -7,44 +7,17 @@ import is lazy: a CPU install never needs flash-attn.
 
 from __future__ import annotations
 
-import importlib
-
-import torch
-
-from .base import AttentionKernel, ItemTable
-from .varlen import build_varlen_segments, packed_attention
-
-HALF = (torch.float16, torch.bfloat16)
+from .varlen import VarlenKernel
 
 
-def import_flash_attn():
-    """The flash_attn module, or a `ValueError` saying how to install it."""
-    try:
-        return importlib.import_module("flash_attn")
-    except ImportError as exc:
-        raise ValueError("kernel='flash' needs flash-attn: pip install 'blockdiag-cp[gpu]'") from exc
-
-
-class FlashKernel(AttentionKernel):
+class FlashKernel(VarlenKernel):
     name = "flash"
     supports_dropout = True
-    supports_lse = False
+    package = "flash_attn"
+    install_name = "flash-attn"
 
-    def __init__(self) -> None:
-        self._varlen = import_flash_attn().flash_attn_varlen_func
-
-    def prepare(self, items: ItemTable, device: torch.device):
-        return build_varlen_segments(items, device)
-
-    def check(self, q_HLD: torch.Tensor, dropout_p: float) -> None:
-        if q_HLD.dtype not in HALF:
-            raise ValueError(f"kernel='flash' runs in float16/bfloat16, got {q_HLD.dtype}; use kernel='sdpa' or autocast")
-
-    def attend(self, plan, q_HLD, k_HND, v_HND, scale, dropout_p):
-        def call(seg, q, k, v):
-            return self._varlen(
-                q, k, v, seg.cu_seqlens_q, seg.cu_seqlens_k, seg.max_seqlen_q, seg.max_seqlen_k,
-                dropout_p=dropout_p, softmax_scale=scale, causal=seg.causal,
-            )
-
-        return packed_attention(plan, q_HLD, k_HND, v_HND, call)
+    def attend_segments(self, seg, q_THD, k_THD, v_THD, scale, dropout_p):
+        return self.module.flash_attn_varlen_func(
+            q_THD, k_THD, v_THD, seg.cu_seqlens_q, seg.cu_seqlens_k, seg.max_seqlen_q, seg.max_seqlen_k,
+            dropout_p=dropout_p, softmax_scale=scale, causal=seg.causal,
+        )

@@ -20,11 +20,14 @@ TransformerEngine's ``padding_causal_bottom_right``.
 
 from __future__ import annotations
 
+import importlib
+from abc import abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from .base import ItemTable
+from .base import AttentionKernel, ItemTable
 
 
 @dataclass(frozen=True)
@@ -103,3 +106,42 @@ def packed_attention(segments: tuple[VarlenSegments, ...], q_HLD, k_HND, v_HND, 
         v = v_HND.transpose(0, 1).index_select(0, seg.k_rows)
         out_LHD = out_LHD.index_copy(0, seg.q_rows, call(seg, q, k, v).to(q_HLD.dtype))
     return out_LHD.transpose(0, 1)
+
+
+class VarlenKernel(AttentionKernel):
+    """A packed-segment GPU kernel: varlen metadata once per step, fp16/bf16 calls.
+
+    Its package is imported lazily (a CPU install never needs it); subclasses run
+    one group of segments in `attend_segments`.
+    """
+
+    supports_lse = False
+    #: the module to import, and the name to tell users to install
+    package: ClassVar[str]
+    install_name: ClassVar[str]
+
+    def __init__(self) -> None:
+        try:
+            self.module = importlib.import_module(self.package)
+        except ImportError as exc:
+            raise ValueError(
+                f"kernel={self.name!r} needs {self.install_name}: pip install 'blockdiag-cp[gpu]'"
+            ) from exc
+
+    def prepare(self, items: ItemTable, device: torch.device) -> tuple[VarlenSegments, ...]:
+        return build_varlen_segments(items, device)
+
+    def check(self, q_HLD: torch.Tensor, dropout_p: float) -> None:
+        if q_HLD.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"kernel={self.name!r} runs in float16/bfloat16, got {q_HLD.dtype}; use kernel='sdpa' or autocast"
+            )
+
+    def attend(self, plan, q_HLD, k_HND, v_HND, scale, dropout_p):
+        return packed_attention(
+            plan, q_HLD, k_HND, v_HND, lambda seg, q, k, v: self.attend_segments(seg, q, k, v, scale, dropout_p)
+        )
+
+    @abstractmethod
+    def attend_segments(self, seg: VarlenSegments, q_THD, k_THD, v_THD, scale: float, dropout_p: float) -> torch.Tensor:
+        """``q [Tq, H, D]``, ``k``/``v`` ``[Tk, Hk, D]`` packed by `seg` -> ``[Tq, H, D]``."""
