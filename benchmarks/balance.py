@@ -21,10 +21,10 @@ import time
 
 import torch
 
-from blockdiag_cp.bench import BenchSpec, limit_seconds, run_spec
+from blockdiag_cp.tools.bench import BenchSpec, limit_seconds, run_spec
 from blockdiag_cp.geometry import StepGeometry
 from blockdiag_cp.layout import ShardPlan, attention_work, plan_shards
-from blockdiag_cp.verify import doc_ids_from_lengths
+from blockdiag_cp.testing import doc_ids_from_lengths
 
 S = 65536
 ROW_BYTES = 2 * 8 * 64 * 4
@@ -103,13 +103,13 @@ def planning_time() -> str:
 
 def timing_table() -> str:
     """Side by side: limit (idle), contiguous, balanced, limit (both cores busy), twice."""
-    one_doc = BenchSpec("blockdiag_cp", (8192,), world=2, repeats=5)
+    one_doc = BenchSpec((8192,), world=2, repeats=5)
     rows: dict[str, list[float]] = {"limit": [], "limit, cores busy": [], "contiguous": [], "balanced": []}
     exchange, balance = {}, {}
     for _ in range(2):
         rows["limit"].append(limit_seconds(one_doc))
         for layout in ("contiguous", "balanced"):
-            r = run_spec(BenchSpec("blockdiag_cp", (8192,), world=2, repeats=5, layout=layout))
+            r = run_spec(BenchSpec((8192,), world=2, repeats=5, layout=layout))
             rows[layout].append(r.seconds)
             exchange[layout], balance[layout] = r.exchange, max(r.work) / (sum(r.work) / len(r.work))
         rows["limit, cores busy"].append(limit_seconds(one_doc, loaded=True))

@@ -14,15 +14,15 @@ from __future__ import annotations
 import pathlib
 import sys
 
-from blockdiag_cp.bench import BenchSpec, format_table, limit_seconds, run_spec, seed_available
+from blockdiag_cp.tools.bench import BenchSpec, format_table, limit_seconds, run_spec, seed_available
 
 
 def main() -> int:
-    small = BenchSpec("blockdiag_cp", (1500, 3000, 2500, 1192), world=2, repeats=5)
-    big = BenchSpec("blockdiag_cp", (9000, 4000, 12000, 7000, 10536, 8000, 6000, 9000), world=4, repeats=2)
+    small = BenchSpec((1500, 3000, 2500, 1192), world=2, repeats=5)
+    big = BenchSpec((9000, 4000, 12000, 7000, 10536, 8000, 6000, 9000), world=4, repeats=2)
     results = [run_spec(small)]
     if seed_available():
-        results.append(run_spec(BenchSpec("seed", small.segments, world=2, repeats=3)))
+        results.append(run_spec(BenchSpec(small.segments, impl="seed", world=2, repeats=3)))
     else:
         print("nemo-automodel not importable: the reference column is skipped", file=sys.stderr)
     limit_small = limit_seconds(small)

@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from blockdiag_cp.bench import doc_lengths
-from blockdiag_cp.verify import doc_ids_from_lengths, spawn
+from blockdiag_cp.tools.bench import doc_lengths
+from blockdiag_cp.testing import doc_ids_from_lengths, spawn
 
 S, H, HK, D = 8192, 8, 8, 64
 EXCHANGES = ("allgather", "halo", "a2a", "ring", "auto")

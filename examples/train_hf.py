@@ -5,7 +5,8 @@
 gloo on CPU, NCCL on GPUs. Each dp replica trains on its own packed rows (Python's
 standard-library docstrings, byte-tokenized); the cp ranks of a replica share a row
 and shard it. The token-mean loss is reduced over all dp x cp ranks, gradients are
-summed over them, and gradient checkpointing is on.
+summed over them, and gradient checkpointing is on. `single_process_losses` is the
+same training without any parallelism, in one process: the logged losses must agree.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import blockdiag_cp.hf  # noqa: F401  registers attn_implementation="blockdiag_cp"
 from blockdiag_cp import CPConfig, make_cp_blockdiag_batch_and_ctx
-from blockdiag_cp.demo import make_model, pack_rows, stdlib_documents
+from blockdiag_cp.tools.demo import make_model, pack_rows, stdlib_documents
 from blockdiag_cp.loss import add_shift_labels, token_mean_loss
 
 
@@ -33,6 +34,32 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--layout", choices=("contiguous", "balanced"), default="balanced")
     p.add_argument("--lr", type=float, default=3e-3)
     return p.parse_args()
+
+
+def replica_rows(dp_rank: int, steps: int, seq_len: int):
+    """The packed rows dp replica `dp_rank` trains on (one stream per replica)."""
+    return pack_rows(stdlib_documents(), steps, seq_len, seed=1000 + dp_rank)
+
+
+def single_process_losses(dp: int, steps: int, seq_len: int, lr: float = 3e-3) -> list[float]:
+    """The same training in one process, unsharded, transformers' own SDPA: the loss per step."""
+    model = make_model("sdpa", torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    streams = [replica_rows(d, steps, seq_len) for d in range(dp)]
+    losses = []
+    for step in range(steps):
+        loss_sum, tokens = 0.0, 0
+        for rows in streams:
+            row = rows[step]
+            logits = model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False).logits
+            loss_sum = loss_sum + F.cross_entropy(logits[0].float(), row.targets[0], ignore_index=-100, reduction="sum")
+            tokens += int((row.targets != -100).sum())
+        loss = loss_sum / tokens
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
 
 
 def main() -> None:
@@ -56,7 +83,7 @@ def main() -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    rows = pack_rows(stdlib_documents(), args.steps, args.seq_len, seed=1000 + dp_rank)  # one stream per replica
+    rows = replica_rows(dp_rank, args.steps, args.seq_len)
     config = CPConfig(layout=args.layout)
 
     for step, row in enumerate(rows):
@@ -74,7 +101,7 @@ def main() -> None:
         opt.step()
         if dist.get_rank() == 0:
             work = state.work_per_rank()
-            print(f"step {step + 1}/{args.steps}  loss {value.item():.4f}  exchange={state.exchange.name} "
+            print(f"step {step + 1}/{args.steps}  loss {value.item():.6f}  exchange={state.exchange.name} "
                   f"kernel={state.kernel.name}  cp work max/mean {work.max().item() / work.float().mean().item():.3f}",
                   flush=True)
     dist.barrier()  # every rank is past its last collective before the group is torn down

@@ -1,7 +1,7 @@
 """Packed rows shared by the multi-process tests: (name, segments). n > 0: a document of
 n tokens; -n: n padding tokens."""
 
-from blockdiag_cp.verify import ParityCase
+from blockdiag_cp.testing import ParityCase
 
 SCENARIOS = {
     "straddle": (5, 9, -2, 13, 1, 2, 3, -3, 7),

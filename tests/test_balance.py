@@ -4,10 +4,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blockdiag_cp.balance import BALANCE_TOLERANCE
+from blockdiag_cp.layout.balanced import BALANCE_TOLERANCE
 from blockdiag_cp.geometry import StepGeometry
 from blockdiag_cp.layout import attention_work, plan_shards
-from blockdiag_cp.verify import doc_ids_from_lengths
+from blockdiag_cp.testing import doc_ids_from_lengths
 
 
 def check_plan(segments, world):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from blockdiag_cp import CPConfig, make_cp_batch_and_ctx, make_cp_blockdiag_batch_and_ctx, plan_shards
-from blockdiag_cp.verify import doc_ids_from_lengths, spawn
+from blockdiag_cp.testing import doc_ids_from_lengths, spawn
 
 SEGMENTS = (5, -2, 9, 1, 3, -1)  # S = 21: not a multiple of 2, 3, 4 or 5
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from blockdiag_cp.verify import doc_ids_from_lengths, spawn
+from blockdiag_cp.testing import doc_ids_from_lengths, spawn
 
 HK, D = 4, 64
 ROW_BYTES = 2 * HK * D * 4  # K and V of one token, float32

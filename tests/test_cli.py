@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from blockdiag_cp.cli import build_parser, main
+from blockdiag_cp.tools.cli import build_parser, main
 
 
 @pytest.mark.parametrize(
@@ -27,7 +27,7 @@ def test_argument_errors_are_clear(argv, message, capsys):
 
 
 def test_bench_rejects_bad_document_spec():
-    from blockdiag_cp.bench import doc_lengths
+    from blockdiag_cp.tools.bench import doc_lengths
 
     with pytest.raises(ValueError, match="--docs"):
         doc_lengths("lots", 100)

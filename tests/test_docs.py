@@ -3,16 +3,12 @@
 import pytest
 import torch
 
-from blockdiag_cp import _cp_blockdiag_doc_ids, resolve_doc_ids
-from blockdiag_cp.docs import block_causal_mask, doc_starts, validate_doc_ids
+from blockdiag_cp import resolve_doc_ids
+from blockdiag_cp.doc_ids import block_causal_mask, doc_starts, validate_doc_ids
 
 
 def ids(*values):
     return torch.tensor([values])
-
-
-def test_seed_name_is_the_public_resolver():
-    assert _cp_blockdiag_doc_ids is resolve_doc_ids
 
 
 def test_packed_seq_ids_win_over_everything():

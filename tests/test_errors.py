@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from blockdiag_cp import CPConfig, cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx, plan_shards
-from blockdiag_cp.verify import spawn
+from blockdiag_cp.testing import spawn
 
 
 def ids_batch(S=8, **extra):
@@ -71,11 +71,27 @@ def test_dropout_needs_a_kernel_that_has_it():
     train_ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, ids_batch(), config=CPConfig(kernel="sdpa"))
     with train_ctx(), pytest.raises(ValueError, match="no attention dropout"):
         cp_blockdiag_sdpa(*qkv(8), dropout_p=0.1)
-    train_ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, ids_batch())
-    with train_ctx() as state:
+
+
+def test_dropout_equals_a_reference_with_the_same_generator_state():
+    """auto falls back to dense for dropout: the result is dropout(softmax) @ v with the same random draws."""
+    doc = torch.tensor([[1, 1, 1, 2, 2, 2, 2, 0]])
+    train_ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, ids_batch(_packed_seq_ids=doc))
+    q, k, v = (t.double() for t in qkv(8))
+    with train_ctx() as state, pytest.warns(UserWarning, match="uses 'dense'"):
         torch.manual_seed(0)
-        out = cp_blockdiag_sdpa(*qkv(8), dropout_p=0.5)
-        assert [k.name for k in state.fallback_kernels] == ["dense"] and torch.isfinite(out).all()
+        out = cp_blockdiag_sdpa(q, k, v, dropout_p=0.5)
+    assert [kernel.name for kernel in state.fallback_kernels] == ["dense"]
+    assert state.call_notes.kernel_fallbacks == {"kernel='sdpa' has no attention dropout": "dense"}
+    torch.manual_seed(0)
+    scores = (q[0] @ k[0].transpose(-1, -2)) / 8 ** 0.5
+    same_doc = (doc[0, :, None] == doc[0, None, :]) & (doc[0, :, None] != 0)
+    visible = same_doc & torch.ones(8, 8, dtype=torch.bool).tril()
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+    keep = torch.rand_like(probs) >= 0.5
+    expected = (probs * keep / 0.5) @ v[0]
+    assert torch.allclose(out[0], expected, rtol=0, atol=1e-12)
+    assert not torch.allclose(out[0], probs @ v[0])  # dropout did drop something
 
 
 def test_outside_a_step_it_is_stock_sdpa():
@@ -195,7 +211,7 @@ def fake_flash_padding_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     import blockdiag_cp.kernels as kernels
-    from blockdiag_cp.verify import ParityCase, run_parity_case
+    from blockdiag_cp.testing import ParityCase, run_parity_case
 
     fake = types.ModuleType("flash_attn")
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from blockdiag_cp.verify import doc_ids_from_lengths, spawn
+from blockdiag_cp.testing import doc_ids_from_lengths, spawn
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SEGMENTS = (7, -2, 12, 1, 5)  # S = 27
@@ -60,7 +60,18 @@ def test_verify_under_torchrun_uses_the_launched_group():
     assert "PASS" in result.stdout and result.stdout.count("[ok]") == 2
 
 
-def test_example_trains_on_a_dp_by_cp_mesh():
-    result = torchrun(4, "examples/train_hf.py", "--dp", "2", "--cp", "2", "--steps", "2", "--seq-len", "256")
+def test_example_trains_on_a_dp_by_cp_mesh_with_the_single_process_losses():
+    import importlib.util
+    import re
+
+    steps = 3
+    result = torchrun(4, "examples/train_hf.py", "--dp", "2", "--cp", "2", "--steps", str(steps), "--seq-len", "256")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "step 2/2" in result.stdout and "loss" in result.stdout
+    logged = [float(x) for x in re.findall(r"step \d+/\d+  loss ([0-9.]+)", result.stdout)]
+    spec = importlib.util.spec_from_file_location("train_hf", ROOT / "examples" / "train_hf.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    reference = example.single_process_losses(dp=2, steps=steps, seq_len=256)
+    assert len(logged) == steps, result.stdout
+    for got, want in zip(logged, reference):
+        assert abs(got - want) <= 2e-4 * max(1.0, abs(want)), (logged, reference)

@@ -10,9 +10,9 @@ import torch
 from blockdiag_cp.exchange.base import items_over_buffer
 from blockdiag_cp.geometry import StepGeometry
 from blockdiag_cp.kernels import DenseKernel, FlashKernel, FlexKernel, TEKernel
-from blockdiag_cp.kernels.varlen import build_varlen_segments
+from blockdiag_cp.kernels.varlen import varlen_calls
 from blockdiag_cp.layout import plan_shards
-from blockdiag_cp.verify import doc_ids_from_lengths
+from blockdiag_cp.testing import doc_ids_from_lengths
 
 CPU = torch.device("cpu")
 
@@ -129,7 +129,7 @@ def test_flash_receives_bottom_right_segments_and_matches_dense(fake_flash, name
 def test_straddling_piece_sees_its_document_from_its_start(fake_flash):
     items, pieces = rank_items((5, 9, -2, 13, 4), 3, 1)  # L = 11: rank 1 holds positions 11..21
     assert pieces.global_start.tolist()[0] == 11 and pieces.doc_start.tolist()[0] == 5
-    segs = build_varlen_segments(items, CPU)
+    segs = varlen_calls(items, CPU)
     first_k = segs[0].cu_seqlens_k[1].item()
     assert first_k == 14 - 5  # document 2 spans 5..13: its piece on rank 1 (11..13) sees keys 5..13
 
@@ -148,7 +148,7 @@ def test_all_padding_rank_calls_no_kernel(fake_flash):
 def test_two_pieces_of_one_document_repeat_shared_keys(fake_flash):
     items, pieces = rank_items((64,), 2, 0, layout="balanced")  # head and tail of one document
     assert pieces.count == 2
-    (seg,) = build_varlen_segments(items, CPU)
+    (seg,) = varlen_calls(items, CPU)
     assert seg.k_rows.numel() > items.num_k_rows  # the shared prefix is packed twice
 
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from blockdiag_cp.verify import ParityCase, RankPool, reference_error, run_parity_case, spawn
+from blockdiag_cp.testing import ParityCase, RankPool, reference_error, run_parity_case, spawn
 
 EXCHANGES = ("allgather", "halo", "a2a", "ring", "auto")
 
@@ -47,7 +47,7 @@ def isolation_worker(rank, world, segments, doc, combos):
     from torch.distributed.device_mesh import init_device_mesh
 
     from blockdiag_cp import CPConfig, cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
-    from blockdiag_cp.verify import doc_ids_from_lengths
+    from blockdiag_cp.testing import doc_ids_from_lengths
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     ids = doc_ids_from_lengths(segments).unsqueeze(0)
@@ -77,7 +77,7 @@ def isolation_worker(rank, world, segments, doc, combos):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_perturbing_one_document_changes_no_other_bit(world):
-    from blockdiag_cp.verify import doc_ids_from_lengths
+    from blockdiag_cp.testing import doc_ids_from_lengths
 
     segments, doc = (9, 3, -2, 17, 1, 6, 5), 3  # document 3 (17 tokens) straddles ranks
     combos = [(ex, lay) for ex in EXCHANGES for lay in ("contiguous", "balanced")]
@@ -96,17 +96,19 @@ def test_perturbing_one_document_changes_no_other_bit(world):
 
 
 def test_runs_are_bitwise_deterministic():
-    case_list = [ParityCase((11, 2, -3, 23, 4), heads=4, kv_heads=2, kv_exchange=ex, layout=lay)
-                 for ex in ("ring", "a2a", "allgather") for lay in ("contiguous", "balanced")]
+    """Two runs in fresh processes give the same output rows and input gradients, bit for bit."""
+    case_list = [ParityCase((11, 2, -3, 23, 4), heads=4, kv_heads=2, kv_exchange=ex, kernel=k, layout=lay)
+                 for ex in ("ring", "a2a", "allgather") for k in ("sdpa", "dense") for lay in ("contiguous", "balanced")]
     first = spawn(mesh_worker, 3, case_list)
     second = spawn(mesh_worker, 3, case_list)
     for a_rank, b_rank in zip(first, second):
+        assert len(a_rank) == len(b_rank) == len(case_list)
         for a, b in zip(a_rank, b_rank):
-            assert (a.out_err, a.grad_err) == (b.out_err, b.grad_err)
-    # and in one process, the full outputs bit for bit
-    cases = [ParityCase((11, 2, -3, 23, 4), kernel=k) for k in ("sdpa", "dense")]
-    for case in cases:
-        assert run_parity_case(case, None).out_err == run_parity_case(case, None).out_err
+            assert torch.equal(a.output, b.output), a.case
+            assert torch.equal(a.input_grad, b.input_grad), a.case
+    for case in (ParityCase((11, 2, -3, 23, 4), kernel=k) for k in ("sdpa", "dense")):
+        a, b = run_parity_case(case, None), run_parity_case(case, None)
+        assert torch.equal(a.output, b.output) and torch.equal(a.input_grad, b.input_grad), case
 
 
 def test_low_precision_within_reference_error():
@@ -126,7 +128,7 @@ def large_scores_worker(rank, world, combos):
     from torch.distributed.device_mesh import init_device_mesh
 
     from blockdiag_cp import CPConfig, cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
-    from blockdiag_cp.verify import doc_ids_from_lengths
+    from blockdiag_cp.testing import doc_ids_from_lengths
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     ids = doc_ids_from_lengths((12, -40, 9)).unsqueeze(0)  # rank 1 of 4 holds only padding
@@ -154,7 +156,7 @@ def memory_worker(rank, world, S):
     from torch.distributed.device_mesh import init_device_mesh
 
     from blockdiag_cp import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
-    from blockdiag_cp.verify import doc_ids_from_lengths
+    from blockdiag_cp.testing import doc_ids_from_lengths
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     lengths = [509] * (S // 509) + [S % 509]  # documents straddle every rank boundary

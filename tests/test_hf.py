@@ -6,7 +6,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import blockdiag_cp.hf as bhf  # noqa: E402  (registers "blockdiag_cp")
-from blockdiag_cp.verify import spawn  # noqa: E402
+from blockdiag_cp.testing import spawn  # noqa: E402
 
 LENGTHS = (7, 12, 5, 9, 3, 14)
 VOCAB = 50

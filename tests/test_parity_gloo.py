@@ -8,7 +8,8 @@ import functools
 
 import pytest
 
-from blockdiag_cp.verify import parity_worker, spawn
+from blockdiag_cp.layout import plan_shards
+from blockdiag_cp.testing import parity_worker, spawn
 from scenarios import EXCHANGES, matrix_cases
 
 TOL = 1e-10
@@ -37,18 +38,39 @@ def test_matches_float64_oracle(world, exchange):
     assert not bad, "\n".join(bad)
 
 
+def expected_routing(case, world):
+    """What `halo` and `auto` must run, derived here from first principles (not the library's geometry).
+
+    Rank r needs the keys of its documents up to its last query in each; halo serves
+    iff every key a rank needs from another rank lies on its left neighbour.
+    """
+    ids = case.doc_ids.tolist()
+    owners = plan_shards(case.doc_ids, world, case.layout).owner().tolist()
+    foreign = set()  # (needing rank, owning rank)
+    for r in range(world):
+        last = {}
+        for g, (doc, owner) in enumerate(zip(ids, owners)):
+            if doc and owner == r:
+                last[doc] = g
+        foreign |= {(r, owners[g]) for g, doc in enumerate(ids) if doc in last and g <= last[doc] and owners[g] != r}
+    halo_serves = all(src == dst - 1 for dst, src in foreign)
+    return {"halo": "halo" if halo_serves else "a2a",
+            "auto": "a2a" if not foreign else ("halo" if halo_serves else "a2a")}
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_needed_only_exchanges_run_as_requested(world):
-    """halo falls back to a2a only when a document spans more than two ranks; others run as named."""
+def test_every_exchange_routes_as_it_should(world):
+    """allgather, a2a and ring run as named; halo and auto run exactly what the geometry calls for."""
+    checked = 0
     for results in results_for(world):
         for r in results:
             requested = r.case.kv_exchange
-            if requested in ("allgather", "a2a", "ring"):
-                assert r.exchange == requested
-            elif requested == "halo":
-                assert r.exchange in ("halo", "a2a")
-            else:
-                assert r.exchange in ("halo", "a2a")
+            want = requested if requested in ("allgather", "a2a", "ring") else expected_routing(r.case, world)[requested]
+            assert r.exchange == want, (r.case, r.exchange, want)
+            checked += 1
+    assert checked == world * len(matrix_cases())
+    ran = {(r.case.kv_exchange, r.exchange) for results in results_for(world) for r in results}
+    assert ("auto", "halo") in ran and ("halo", "halo") in ran  # both branches are exercised
 
 
 def test_halo_with_document_over_three_ranks_falls_back_exactly():

@@ -1,16 +1,56 @@
-"""blockdiag-cp: block-diagonal (per-document) context parallelism for packed sequences."""
+"""blockdiag-cp: block-diagonal (per-document) context parallelism for packed sequences.
 
+The flow, once per training step, then once per attention layer::
+
+    batch                 make_cp_blockdiag_batch_and_ctx              batch.py
+      -> doc ids          who is in which document (0 = padding)      doc_ids.py
+      -> shard plan       which positions each rank owns              layout/
+      -> step state       geometry (who needs which keys), the        geometry.py, state.py
+                          exchange's routing, the kernel's call
+                          tables: all built once, frozen
+    per attention layer   cp_blockdiag_sdpa(q, k, v)                   attention.py
+      -> exchange         deliver the K/V rows the local queries see  exchange/
+      -> kernel           attention over them, fused, no mask         kernels/
+
+Around it: `gather_sequence` (unshard logits), `loss` (next-token targets across
+shard boundaries, the token mean over DP x CP), `hf` (transformers registration),
+`testing` (the float64 oracle and gloo spawn harness), `tools/` (the CLI). The old
+module names ``docs``, ``sdpa``, ``verify``, ``balance``, ``cli``, ``bench`` and
+``demo`` re-export from these homes. Errors follow Note [Error policy] (errors.py).
+
+Words: a *shard plan* (`ShardPlan`) assigns positions to ranks; an exchange's
+*routing* says which rows go where; a kernel's *call table* is what `prepare` builds
+once per step for its fused calls. A *piece* is a run of one rank's queries at
+consecutive positions of one document; an *item* is one piece against one
+contiguous run of keys. *Segments* are the runs a row is described by in tests and
+the CLI (n > 0: a document of n tokens, -n: n padding tokens).
+
+Shape letters in name suffixes (``q_HLD`` is ``[H, L, D]``)::
+
+    B  batch (1 inside a CP step)        S  tokens of the packed row (S_pad: padded)
+    W  ranks of the CP group (world)     L  tokens of one rank's shard, S_pad / W
+    H  heads of that tensor (query heads for q/o, K/V heads for k/v)
+    D  head dimension                    E  embedding width
+    N  rows of a rank's key buffer (the keys its queries may see)
+    T  rows packed for one transfer or one varlen kernel call
+    R  rows of whichever tensor a helper gets (L or N)
+    G  equal-shaped items batched into one fused kernel call
+    X  any trailing dimensions           2  K and V stacked (one token's K/V row)
+    1  a dimension of size 1
+"""
+
+from .attention import cp_blockdiag_sdpa
 from .batch import make_cp_batch_and_ctx, make_cp_blockdiag_batch_and_ctx
 from .config import CPConfig
-from .docs import _cp_blockdiag_doc_ids, resolve_doc_ids
+from .doc_ids import _cp_blockdiag_doc_ids, resolve_doc_ids
 from .gather import gather_sequence
 from .layout import ShardPlan, plan_shards
-from .sdpa import cp_blockdiag_sdpa
-from .state import StepState, current_step
+from .slot import current_step
+from .state import StepState
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-__all__ = [
+__all__ = (
     "CPConfig",
     "ShardPlan",
     "StepState",
@@ -22,4 +62,4 @@ __all__ = [
     "make_cp_blockdiag_batch_and_ctx",
     "plan_shards",
     "resolve_doc_ids",
-]
+)

@@ -1,6 +1,6 @@
 """`make_cp_blockdiag_batch_and_ctx`: pad and shard a packed batch, build the step state.
 
-Once per step: batch -> document ids -> (ranks agree) -> plan -> sharded tensors and
+Once per step: batch -> document ids -> (ranks agree) -> shard plan -> sharded tensors and
 a frozen `StepState`. ``train_ctx()`` activates that state so every
 `cp_blockdiag_sdpa` call of the step attends per document across ranks.
 """
@@ -16,10 +16,12 @@ import torch
 import torch.distributed as dist
 
 from .config import CPConfig
-from .docs import resolve_doc_ids
+from .doc_ids import resolve_doc_ids
+from .errors import CPTypeError
 from .exchange.collectives import all_gather_flat
 from .layout import ShardPlan
-from .state import STEP_SLOT, build_step_state
+from .slot import STEP_SLOT
+from .state import StepState, build_step_state
 
 #: Sequence-aligned batch keys and the value their padding takes ("pad_token": the
 #: caller's ``padding_token_id``). Floating tensors pad with 0.
@@ -76,7 +78,7 @@ def make_cp_blockdiag_batch_and_ctx(
     """
     config = CPConfig() if config is None else config
     if not isinstance(config, CPConfig):
-        raise TypeError(f"config must be a CPConfig, got {type(config).__name__}")
+        raise CPTypeError(f"config must be a CPConfig, got {type(config).__name__}")
     world, rank, group = _cp_group(cp_mesh)
     if loss_mask is not None:
         batch["loss_mask"] = loss_mask
@@ -90,14 +92,30 @@ def make_cp_blockdiag_batch_and_ctx(
         _check_ranks_agree(doc_ids_1S, config, group, _mesh_device(cp_mesh), problem)
     if problem is not None:
         raise problem
+    state = shard_step(batch, doc_ids_1S, world, rank, group, config, padding_token_id)
+    return functools.partial(STEP_SLOT.activate, state), batch
+
+
+def shard_step(
+    batch: dict[str, Any], doc_ids_1S: torch.Tensor, world: int, rank: int, group: Any, config: CPConfig,
+    padding_token_id: int = 0,
+) -> StepState:
+    """Plan the step and shard `batch` in place for `rank` of `world` (no collective).
+
+    The part of `make_cp_blockdiag_batch_and_ctx` after the batch was validated and
+    the ranks agreed: drop the unsharded-row keys, add ``position_ids`` (0..S-1 when
+    absent) and ``padding_mask``, build the `StepState`, shard every sequence-aligned
+    tensor. Also what the planning benchmark times for any rank of any world.
+    """
+    S = doc_ids_1S.shape[1]
     for key in UNSHARDED_ROW_KEYS:
         batch.pop(key, None)
     if batch.get("position_ids") is None:
-        batch["position_ids"] = torch.arange(S, device=device).unsqueeze(0)
+        batch["position_ids"] = torch.arange(S, device=doc_ids_1S.device).unsqueeze(0)
     batch["padding_mask"] = doc_ids_1S == 0
-    state = build_step_state(doc_ids_1S[0], world, rank, group, config, device)
+    state = build_step_state(doc_ids_1S[0], world, rank, group, config, doc_ids_1S.device)
     _shard_batch(batch, state.plan, rank, padding_token_id)
-    return functools.partial(STEP_SLOT.activate, state), batch
+    return state
 
 
 def make_cp_batch_and_ctx(cp_mesh, tp_mesh, batch: dict[str, Any], **kwargs):
@@ -109,7 +127,7 @@ def make_cp_batch_and_ctx(cp_mesh, tp_mesh, batch: dict[str, Any], **kwargs):
     hook = batch.pop("_cp_make_batch_fn", None)
     if hook is not None:
         if not callable(hook):
-            raise TypeError(f"batch['_cp_make_batch_fn'] must be callable, got {type(hook).__name__}")
+            raise CPTypeError(f"batch['_cp_make_batch_fn'] must be callable, got {type(hook).__name__}")
         return hook(cp_mesh, tp_mesh, batch, **kwargs)
     return make_cp_blockdiag_batch_and_ctx(cp_mesh, tp_mesh, batch, **kwargs)
 
@@ -121,7 +139,7 @@ def _cp_group(cp_mesh) -> tuple[int, int, Any]:
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(cp_mesh, DeviceMesh):
-        raise TypeError(f"cp_mesh must be a DeviceMesh (e.g. mesh['cp']) or None, got {type(cp_mesh).__name__}")
+        raise CPTypeError(f"cp_mesh must be a DeviceMesh (e.g. mesh['cp']) or None, got {type(cp_mesh).__name__}")
     if cp_mesh.ndim != 1:
         raise ValueError(f"cp_mesh must be 1-D; pass the CP sub-mesh, e.g. mesh['cp'] (got {cp_mesh.ndim}-D)")
     world, group = cp_mesh.size(), cp_mesh.get_group()
@@ -145,8 +163,11 @@ def _check_batch(batch: Mapping[str, Any]) -> tuple[str, int, torch.device]:
         raise ValueError("the batch must hold exactly one of 'inputs_embeds' [1, S, E] or 'input_ids' [1, S]")
     key = "inputs_embeds" if has_embeds else "input_ids"
     primary = batch[key]
-    if not isinstance(primary, torch.Tensor) or primary.dim() != (3 if has_embeds else 2):
-        raise ValueError(f"batch[{key!r}] must be a tensor shaped [B, S{', E' if has_embeds else ''}]")
+    shape = f"[B, S{', E' if has_embeds else ''}]"
+    if not isinstance(primary, torch.Tensor):
+        raise CPTypeError(f"batch[{key!r}] must be a tensor shaped {shape}, got {type(primary).__name__}")
+    if primary.dim() != (3 if has_embeds else 2):
+        raise ValueError(f"batch[{key!r}] must be a tensor shaped {shape}, got {tuple(primary.shape)}")
     B, S = primary.shape[:2]
     if B != 1:
         raise ValueError(

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import CPTypeError
+
 KV_EXCHANGES = ("auto", "allgather", "halo", "a2a", "ring")
 KERNELS = ("auto", "dense", "sdpa", "flash", "te", "flex")
 LAYOUTS = ("contiguous", "balanced")
 
 
 def check_choice(knob: str, value: object, choices: tuple[str, ...]) -> str:
-    """Return `value` if it is one of `choices`, else raise a `ValueError` listing them."""
-    if not isinstance(value, str) or value not in choices:
+    """Return `value` if it is one of `choices`, else raise an error listing them
+    (`CPTypeError` for a non-string, `ValueError` for an unknown string)."""
+    if not isinstance(value, str):
+        raise CPTypeError(f"{knob} must be a string, one of {', '.join(choices)}; got {type(value).__name__}")
+    if value not in choices:
         raise ValueError(f"{knob}={value!r} is not supported; choose one of {', '.join(choices)}")
     return value
 
@@ -46,4 +51,4 @@ class CPConfig:
         check_choice("kernel", self.kernel, KERNELS)
         check_choice("layout", self.layout, LAYOUTS)
         if not isinstance(self.check_ranks_agree, bool):
-            raise ValueError(f"check_ranks_agree must be a bool, got {self.check_ranks_agree!r}")
+            raise CPTypeError(f"check_ranks_agree must be a bool, got {self.check_ranks_agree!r}")

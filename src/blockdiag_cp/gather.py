@@ -7,7 +7,8 @@ from typing import Optional
 import torch
 
 from .exchange.collectives import AllGatherRows
-from .state import STEP_SLOT, StepState
+from .slot import STEP_SLOT
+from .state import StepState
 
 
 def gather_sequence(local: torch.Tensor, seq_dim: int = 1, state: Optional[StepState] = None) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Step geometry: what every rank's queries see, derived once from replicated doc ids.
 
 Every rank holds the same document ids and plan, so every rank derives the same
-geometry (and therefore the same exchange plans) without a collective.
+geometry (and therefore the same exchange routing) without a collective.
 
 Note [Who needs which keys]
 ---------------------------
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .docs import doc_starts, run_starts
-from .layout import ShardPlan, pad_doc_ids
+from .doc_ids import doc_starts, run_starts
+from .layout.plan import ShardPlan, pad_doc_ids
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class StepGeometry:
         doc_start: ``[S_pad]`` first position of each position's document.
         owner: ``[S_pad]`` owning rank.
         local_index: ``[S_pad]`` row in the owner's local order.
-        need_WS: ``[world, S_pad]`` bool, Note [Who needs which keys].
+        need_WS: ``[W, S_pad]`` bool, Note [Who needs which keys].
     """
 
     plan: ShardPlan
@@ -103,7 +103,7 @@ class StepGeometry:
 
     @functools.cached_property
     def transfer(self) -> torch.Tensor:
-        """``[world(dst), world(src)]`` int64: rows ``dst`` needs that ``src`` owns (0 on the diagonal)."""
+        """``[W (dst), W (src)]`` int64: rows ``dst`` needs that ``src`` owns (0 on the diagonal)."""
         W = self.world
         flat = self.owner.unsqueeze(0) + W * torch.arange(W).unsqueeze(1)
         counts = torch.bincount(flat[self.need_WS], minlength=W * W).reshape(W, W)
@@ -111,7 +111,7 @@ class StepGeometry:
 
 
 def _need(ids: torch.Tensor, owner: torch.Tensor, world: int) -> torch.Tensor:
-    """``[world, S_pad]`` bool need matrix (Note [Who needs which keys])."""
+    """``[W, S_pad]`` bool need matrix (Note [Who needs which keys])."""
     run = torch.cumsum(run_starts(ids).long(), dim=0) - 1
     n_runs = int(run[-1]) + 1
     pos = torch.arange(ids.numel())
@@ -119,5 +119,5 @@ def _need(ids: torch.Tensor, owner: torch.Tensor, world: int) -> torch.Tensor:
     real = ids != 0
     slot = owner * n_runs + run
     last.scatter_reduce_(0, slot[real], pos[real], reduce="amax")
-    last_WR = last.reshape(world, n_runs)
-    return (pos.unsqueeze(0) <= last_WR[:, run]) & real.unsqueeze(0)
+    last_by_run = last.reshape(world, n_runs)  # [W, runs of the row]
+    return (pos.unsqueeze(0) <= last_by_run[:, run]) & real.unsqueeze(0)

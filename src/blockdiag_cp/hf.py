@@ -6,10 +6,11 @@ uses transformers' public registries, ``AttentionInterface`` and
 
 - Inside a CP step (``with train_ctx():``) attention is block-diagonal CP attention
   and no mask is built at all.
-- Outside a step, a packed row (documents marked by ``cu_seq_lens_q`` or by
-  ``position_ids`` restarting at 0, as ``DataCollatorWithFlattening`` makes them)
-  still gets per-document attention; any other batch gets stock SDPA with the mask
-  transformers builds for it.
+- Outside a step, a packed single row (documents marked by ``cu_seq_lens_q`` or by
+  ``position_ids`` that do not step by +1, as ``DataCollatorWithFlattening`` makes
+  them; a padding ``attention_mask`` is honoured too) still gets per-document
+  attention, planned once per forward (the first layer plans, the others reuse it);
+  any other batch gets stock SDPA with the mask transformers builds for it.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .attention import attend_in_step, cp_blockdiag_sdpa, refuse_late_recompute
 from .config import CPConfig
-from .docs import resolve_doc_ids
-from .sdpa import attend_in_step, cp_blockdiag_sdpa
-from .state import build_step_state, current_step
+from .doc_ids import block_causal_mask, position_breaks, resolve_doc_ids
+from .slot import STEP_SLOT, current_step
+from .state import StepState, build_step_state
 
 ATTN_IMPLEMENTATION = "blockdiag_cp"
 
@@ -49,17 +51,56 @@ def _refuse_unsupported(
             raise ValueError(f"blockdiag_cp attention does not support {unsupported!r}")
 
 
-def _packed_doc_ids(query: torch.Tensor, kwargs: dict[str, Any]) -> Optional[torch.Tensor]:
-    """Document ids ``[S]`` of a packed single row outside a step, or None if not packed."""
-    if query.shape[0] != 1:
-        return None
-    S = query.shape[2]
-    marks = {k: kwargs[k] for k in ("cu_seq_lens_q", "position_ids") if kwargs.get(k) is not None}
-    if "cu_seq_lens_q" not in marks:
-        pos = marks.get("position_ids")
-        if pos is None or pos.dim() != 2 or pos.shape[-1] != S or not bool((pos[0, 1:] == 0).any()):
+def _packed_row_doc_ids(
+    S: int, device: torch.device, position_ids: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+    mask_11SS: Optional[torch.Tensor],
+) -> Optional[torch.Tensor]:
+    """Document ids ``[S]`` of a packed single row, or None when the row is not packed.
+
+    Packed: ``cu_seq_lens_q`` is given, or 2-D ``position_ids`` break (do not step by
+    +1). The padding of a 4-D ``[1, 1, S, S]`` mask (its diagonal) marks padding
+    tokens; within each document the mask must be causal, else a `ValueError`.
+    """
+    if cu_seqlens is None:
+        if position_ids is None or position_ids.dim() != 2 or position_ids.shape != (1, S):
             return None
-    return resolve_doc_ids(marks, S, query.device, 1)[0]
+        if not bool(position_breaks(position_ids).any()):
+            return None
+    marks: dict[str, Any] = {"cu_seq_lens_q": cu_seqlens, "position_ids": position_ids}
+    if mask_11SS is not None:
+        marks["attention_mask"] = mask_11SS[0, 0].diagonal().unsqueeze(0).long()
+    doc_ids_S = resolve_doc_ids({k: v for k, v in marks.items() if v is not None}, S, device, 1)[0]
+    if mask_11SS is not None:
+        _check_mask_is_causal_within_documents(mask_11SS[0, 0], doc_ids_S)
+    return doc_ids_S
+
+
+def _check_mask_is_causal_within_documents(mask_SS: torch.Tensor, doc_ids_S: torch.Tensor) -> None:
+    """`ValueError` unless the model's mask, inside each document, is exactly causal."""
+    allowed = mask_SS == 0 if mask_SS.is_floating_point() else mask_SS.bool()
+    ours = block_causal_mask(doc_ids_S.unsqueeze(0))[0]
+    same_doc = (doc_ids_S.unsqueeze(0) == doc_ids_S.unsqueeze(1)) & (doc_ids_S != 0).unsqueeze(0)
+    if not torch.equal(allowed & same_doc, ours):
+        raise ValueError(
+            "the attention mask transformers built for this packed row is not causal inside each document "
+            "(e.g. bidirectional image tokens); blockdiag_cp computes causal attention per document and refuses "
+            "rather than be silently wrong"
+        )
+
+
+def _packed_row_state(query: torch.Tensor, key: torch.Tensor, attention_mask, kwargs) -> Optional[StepState]:
+    """The one-rank step state of a packed row outside a step, planned once per forward (None: not packed)."""
+    S = query.shape[2]
+    if query.shape[0] != 1 or key.shape[2] != S:
+        return None
+    mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.shape == (1, 1, S, S) else None
+    position_ids, cu_seqlens = kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q")
+
+    def plan() -> Optional[StepState]:
+        doc_ids = _packed_row_doc_ids(S, query.device, position_ids, cu_seqlens, mask)
+        return None if doc_ids is None else build_step_state(doc_ids, 1, 0, None, CPConfig(), query.device)
+
+    return STEP_SLOT.implicit_state((position_ids, cu_seqlens, mask), (S, query.device), plan)
 
 
 def blockdiag_cp_attention(
@@ -84,9 +125,9 @@ def blockdiag_cp_attention(
         _refuse_unsupported(module, kwargs, lambda: state.geometry.longest_document)
         out = cp_blockdiag_sdpa(query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
-    doc_ids = _packed_doc_ids(query, kwargs)
-    if doc_ids is not None:
-        local = build_step_state(doc_ids, 1, 0, None, CPConfig(), query.device)
+    refuse_late_recompute(query)
+    local = _packed_row_state(query, key, attention_mask, kwargs) if getattr(module, "is_causal", True) else None
+    if local is not None:
         _refuse_unsupported(module, kwargs, lambda: local.geometry.longest_document)
         out = attend_in_step(local, query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None

@@ -1,22 +1,15 @@
-"""The frozen per-step state and the process-wide slot that holds the active one.
+"""`StepState`: everything one CP step needs, planned once from replicated document ids.
 
-Note [Why a process-wide slot, not a ContextVar]
-------------------------------------------------
-`cp_blockdiag_sdpa` is a drop-in for SDPA, so it finds the step through a lookup,
-not an argument. The lookup must work from any thread: activation checkpointing
-re-runs a layer's forward inside backward, and the autograd engine may run that on
-its own worker thread, where a `ContextVar` set by the training thread is invisible.
-So the active step lives in one `StepSlot` per process, guarded by a lock. It is the
-only module-level object that changes, and only through `StepSlot.activate`.
+`build_step_state` runs the shard plan, the geometry, the kernel choice (and each
+kernel's call table) and the exchange's routing; the result is frozen. The slot that
+makes a state the active one is in slot.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
-from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,8 +19,27 @@ from .exchange import ExchangeSetup, KVExchange, Traffic, build_exchange
 from .geometry import StepGeometry
 from .kernels import AttentionKernel, fallback_kernels, select_kernel
 from .layout import ShardPlan, attention_work, make_plan
+from .slot import STEP_SLOT, current_step  # noqa: F401  (re-exported: their old home)
 
 logger = logging.getLogger(__name__)
+
+
+class CallNotes:
+    """Decisions made per attention call, recorded for the user (append-only).
+
+    ``kernel_fallbacks``: ``{reason: kernel used instead}`` for calls where the
+    step's kernel refused (a dtype it lacks, attention dropout) under ``kernel="auto"``.
+    """
+
+    def __init__(self) -> None:
+        self._fallbacks: dict[str, str] = {}
+
+    def record_fallback(self, kernel: str, reason: str) -> None:
+        self._fallbacks.setdefault(reason, kernel)
+
+    @property
+    def kernel_fallbacks(self) -> dict[str, str]:
+        return dict(self._fallbacks)
 
 
 @dataclass(frozen=True)
@@ -39,11 +51,12 @@ class StepState:
         rank, world: this rank's index in the CP group and the group's size.
         group: the CP process group (None when world == 1 without a mesh).
         device: where the step's tensors live (the batch's device).
-        geometry: replicated document ids, plan and need matrix.
-        exchange: the planned K/V exchange strategy; `exchange_reason` says why.
+        geometry: replicated document ids, shard plan and need matrix.
+        exchange: the routed K/V exchange strategy; `exchange_reason` says why.
         kernel: the attention kernel; `kernel_reason` says why.
         fallback_kernels: with ``kernel="auto"``, kernels tried in order when `kernel`
             refuses a call (attention dropout, a dtype it lacks); empty otherwise.
+        call_notes: the fallbacks that calls actually took, with their reasons.
     """
 
     config: CPConfig
@@ -57,6 +70,7 @@ class StepState:
     kernel: AttentionKernel
     kernel_reason: str
     fallback_kernels: tuple[AttentionKernel, ...]
+    call_notes: CallNotes = field(default_factory=CallNotes, compare=False, repr=False)
 
     @property
     def plan(self) -> ShardPlan:
@@ -77,54 +91,9 @@ class StepState:
         return self.exchange.traffic
 
     def work_per_rank(self) -> torch.Tensor:
-        """``[world]``: causal attention work (query-key pairs) per rank."""
+        """``[W]``: causal attention work (query-key pairs) per rank."""
         real = self.geometry.doc_ids[: self.plan.seq_len]
         return attention_work(self.plan, real)
-
-
-class StepSlot:
-    """Holds the active `StepState` for the whole process (Note [Why a process-wide slot])."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._state: Optional[StepState] = None
-        self._depth = 0
-        self._last: Optional[StepState] = None
-
-    def current(self) -> Optional[StepState]:
-        with self._lock:
-            return self._state
-
-    def last_exited(self) -> Optional[StepState]:
-        """The state of the most recently exited step (to diagnose late recomputation)."""
-        with self._lock:
-            return self._last
-
-    @contextlib.contextmanager
-    def activate(self, state: StepState) -> Iterator[StepState]:
-        """Make `state` the active step for the duration of the block (re-entrant for the same state)."""
-        with self._lock:
-            if self._state is not None and self._state is not state:
-                raise RuntimeError(
-                    "another block-diagonal CP step is already active; exit its train_ctx() "
-                    "before entering the next one"
-                )
-            self._state, self._depth = state, self._depth + 1
-        try:
-            yield state
-        finally:
-            with self._lock:
-                self._depth -= 1
-                if self._depth == 0:
-                    self._state, self._last = None, state
-
-
-STEP_SLOT = StepSlot()
-
-
-def current_step() -> Optional[StepState]:
-    """The active step's state, or None outside ``train_ctx()``."""
-    return STEP_SLOT.current()
 
 
 def build_step_state(
@@ -133,7 +102,7 @@ def build_step_state(
     """Plan a step from replicated, validated document ids ``[S]``: layout, exchange, kernel.
 
     Every input is identical on all ranks of the group (the ranks-agree check runs
-    before this), so every rank reaches the same plan without communicating.
+    before this), so every rank reaches the same state without communicating.
     """
     plan = make_plan(doc_ids_S.cpu(), world, config.layout)
     geometry = StepGeometry.build(plan, doc_ids_S)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
+
+from ..errors import ensure
 from .allgather import AllGatherExchange
 from .base import ExchangeSetup, KVExchange, Traffic
 from .local import LocalExchange
@@ -10,7 +13,7 @@ from .ring import RingExchange
 
 
 def build_exchange(requested: str, setup: ExchangeSetup) -> tuple[KVExchange, str]:
-    """Plan this step's exchange; return it and the reason it was chosen.
+    """Route this step's exchange; return it and the reason it was chosen.
 
     Depends only on replicated inputs (geometry, request), so every rank of the
     group makes the same choice without a collective.
@@ -25,10 +28,12 @@ def build_exchange(requested: str, setup: ExchangeSetup) -> tuple[KVExchange, st
         why_not = halo_unsupported_reason(setup)
         if why_not is None:
             return HaloExchange(setup), "requested"
-        return AllToAllExchange(setup), f"halo requested but {why_not}: using a2a (exact, needed-only)"
+        reason = f"halo requested but {why_not}: using a2a (exact, needed-only)"
+        warnings.warn(f"blockdiag-cp kv_exchange: {reason}")
+        return AllToAllExchange(setup), reason
     if requested == "ring":
         return RingExchange(setup), "requested"
-    assert requested == "auto", requested
+    ensure(requested == "auto", f"unknown kv_exchange {requested!r} passed CPConfig")
     return _auto(setup)
 
 
@@ -42,4 +47,4 @@ def _auto(setup: ExchangeSetup) -> tuple[KVExchange, str]:
     return AllToAllExchange(setup), "auto: documents span several ranks; all-to-all-v of the needed rows"
 
 
-__all__ = ["ExchangeSetup", "KVExchange", "Traffic", "build_exchange"]
+__all__ = ("ExchangeSetup", "KVExchange", "Traffic", "build_exchange")

@@ -1,8 +1,8 @@
 """The K/V exchange interface, and the buffer-based exchanges' shared machinery.
 
-An exchange is a strategy that, once per step, plans how this rank obtains the K/V
-rows its queries need (from the replicated `StepGeometry`, no collective), and per
-attention call runs that plan and the attention. Buffer exchanges deliver the
+An exchange is a strategy that, once per step, routes the K/V rows this rank's
+queries need (from the replicated `StepGeometry`, no collective): its *routing* is
+what it holds. Per attention call it runs that routing and the attention. Buffer exchanges deliver the
 needed rows into one key buffer ordered by position and run one kernel over it;
 the ring interleaves delivery with attention instead.
 """
@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
+from ..errors import ensure
 from ..geometry import Pieces, StepGeometry
 from ..kernels import AttentionKernel, ItemTable
 
@@ -40,7 +41,7 @@ class Traffic:
 
 @dataclass(frozen=True)
 class ExchangeSetup:
-    """What an exchange plans from: the replicated geometry and this rank's place in it."""
+    """What an exchange routes from: the replicated geometry and this rank's place in it."""
 
     geometry: StepGeometry
     rank: int
@@ -101,8 +102,8 @@ def items_over_buffer(pieces: Pieces, buffer_positions: torch.Tensor, num_q_rows
     k_len = g_end - pieces.doc_start
     if pieces.count:
         last = k_start + k_len - 1
-        assert int(last.max()) < buffer_positions.numel(), "key buffer lacks a needed range"
-        assert torch.equal(buffer_positions[last], g_end - 1), "key buffer range is not contiguous"
+        ensure(int(last.max()) < buffer_positions.numel(), "key buffer lacks a needed range")
+        ensure(torch.equal(buffer_positions[last], g_end - 1), "key buffer range is not contiguous")
     causal = torch.ones(pieces.count, dtype=torch.bool)
     return ItemTable(pieces.local_start, pieces.length, k_start, k_len, causal, num_q_rows, buffer_positions.numel())
 
@@ -116,7 +117,7 @@ class BufferExchange(KVExchange):
     def __init__(self, setup: ExchangeSetup, buffer_positions: torch.Tensor) -> None:
         self.buffer_positions = buffer_positions
         self.items = items_over_buffer(setup.pieces(), buffer_positions, setup.local_len)
-        self.kernel_plans: Mapping[str, Any] = MappingProxyType(
+        self.kernel_calls: Mapping[str, Any] = MappingProxyType(
             {k.name: k.prepare(self.items, setup.device) for k in setup.kernels}
         )
 
@@ -127,7 +128,7 @@ class BufferExchange(KVExchange):
     def attend(self, q_HLD, k_HLD, v_HLD, kernel, scale, dropout_p):
         buffer = self.fetch(fuse_kv(k_HLD, v_HLD))
         k_buf, v_buf = split_kv(buffer)
-        out = kernel.attend(self.kernel_plans[kernel.name], q_HLD, k_buf, v_buf, scale, dropout_p)
+        out = kernel.attend(self.kernel_calls[kernel.name], q_HLD, k_buf, v_buf, scale, dropout_p)
         if self.items.size == 0:
             # A rank of only padding: its zeros must still depend on q and the fetched
             # buffer, so its backward runs the exchange's collectives like every other rank.

@@ -64,7 +64,7 @@ def p2p_rows(x_TX: torch.Tensor, send_splits: list[int], recv_splits: list[int],
     """Point-to-point exchange of rows with only the peers that have a nonzero split.
 
     Same contract as `AllToAllRows.forward`; both sides derive the splits from the
-    same replicated plan, so every posted send has its matching receive.
+    same replicated routing, so every posted send has its matching receive.
     """
     out = x_TX.new_empty((sum(recv_splits), *x_TX.shape[1:]))
     send_chunks = torch.split(x_TX.contiguous(), send_splits)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ensure
 from .base import BufferExchange, ExchangeSetup, Traffic
 
 
@@ -13,7 +14,7 @@ class LocalExchange(BufferExchange):
     name = "local"
 
     def __init__(self, setup: ExchangeSetup) -> None:
-        assert setup.world == 1
+        ensure(setup.world == 1, "the local exchange serves world == 1 only")
         super().__init__(setup, setup.geometry.plan.rank_positions(0))
 
     @property

@@ -1,7 +1,7 @@
 """Needed-only exchanges: each rank receives exactly the K/V rows its queries see.
 
-Note [Needed-only exchange plan]
---------------------------------
+Note [Needed-only routing]
+--------------------------
 From the replicated need matrix (Note [Who needs which keys]) every rank derives,
 without a collective, for every pair (src, dst) the positions src owns that dst
 needs. Rank r then:
@@ -26,12 +26,13 @@ from typing import Optional
 
 import torch
 
+from ..errors import ensure
 from .base import BufferExchange, ExchangeSetup, Traffic
 from .collectives import AllToAllRows, P2PRows
 
 
 class NeededOnlyExchange(BufferExchange):
-    """Shared plan of `a2a` and `halo` (Note [Needed-only exchange plan])."""
+    """Shared routing of `a2a` and `halo` (Note [Needed-only routing])."""
 
     def __init__(self, setup: ExchangeSetup) -> None:
         geometry, rank, L = setup.geometry, setup.rank, setup.local_len
@@ -111,7 +112,7 @@ class HaloExchange(NeededOnlyExchange):
 
     def __init__(self, setup: ExchangeSetup) -> None:
         reason = halo_unsupported_reason(setup)
-        assert reason is None, reason
+        ensure(reason is None, f"halo routed where it cannot serve: {reason}")
         super().__init__(setup)
 
     def transport(self, rows_TX: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ..errors import ensure
 from ..kernels import AttentionKernel, ItemTable, merge_partial
 from ..kernels.base import accumulate_dtype
 from .base import ExchangeSetup, KVExchange, Traffic, fuse_kv, split_kv
@@ -36,12 +37,12 @@ from .base import ExchangeSetup, KVExchange, Traffic, fuse_kv, split_kv
 
 @dataclass(frozen=True)
 class Hop:
-    """One hop's plan for this rank (all index tensors on the device).
+    """One hop's routing for this rank (all index tensors on the device).
 
     Attributes:
         owner: the rank whose block is held at this hop.
         items: this rank's queries against the block held at this hop.
-        kernel_plans: per-kernel metadata for `items`.
+        kernel_calls: each kernel's call table for `items`.
         send_index: rows of the held block to send on (None: send nothing).
         recv_rows: rows of the next block arriving from the left (0: none).
         grad_send_index: rows of the held block whose gradients go to the owner.
@@ -51,7 +52,7 @@ class Hop:
 
     owner: int
     items: ItemTable
-    kernel_plans: Any
+    kernel_calls: Any
     send_index: Optional[torch.Tensor]
     recv_rows: int
     grad_send_index: Optional[torch.Tensor]
@@ -86,7 +87,7 @@ class RingExchange(KVExchange):
                 )
         self.rank, self.world, self.group = setup.rank, setup.world, setup.group
         travel = _travel_rows(setup)
-        self.hops = tuple(_plan_hop(setup, travel, t) for t in range(setup.world))
+        self.hops = tuple(_route_hop(setup, travel, t) for t in range(setup.world))
 
     @property
     def traffic(self) -> Traffic:
@@ -131,7 +132,7 @@ class _RingAttention(torch.autograd.Function):
             aux = None
             if hop.items.size:
                 k, v = split_kv(block)
-                o_t, lse_t, aux = kernel.forward(hop.kernel_plans[kernel.name], q_HLD, k, v, scale, dropout_p)
+                o_t, lse_t, aux = kernel.forward(hop.kernel_calls[kernel.name], q_HLD, k, v, scale, dropout_p)
                 o, lse = merge_partial(o, lse, o_t, lse_t)
             auxes.append(aux)
             block = ring.next_block(pending, block)
@@ -155,7 +156,7 @@ class _RingAttention(torch.autograd.Function):
             if hop.items.size:
                 k, v = split_kv(block)
                 dq_t, dk_t, dv_t = kernel.backward(
-                    hop.kernel_plans[kernel.name], do_HLD, q, k, v, o, lse, ctx.auxes[t], ctx.scale, ctx.dropout_p
+                    hop.kernel_calls[kernel.name], do_HLD, q, k, v, o, lse, ctx.auxes[t], ctx.scale, ctx.dropout_p
                 )
                 dq += dq_t
                 d_block = fuse_kv(dk_t, dv_t)
@@ -203,12 +204,12 @@ def _travel_rows(setup: ExchangeSetup) -> list[list[torch.Tensor]]:
     return travel
 
 
-def _plan_hop(setup: ExchangeSetup, travel: list[list[torch.Tensor]], t: int) -> Hop:
+def _route_hop(setup: ExchangeSetup, travel: list[list[torch.Tensor]], t: int) -> Hop:
     rank, W, device = setup.rank, setup.world, setup.device
     owner = (rank - t) % W
     held = travel[owner][t]
     items = _hop_items(setup, owner, held)
-    plans = {k.name: k.prepare(items, device) for k in setup.kernels}
+    calls = {k.name: k.prepare(items, device) for k in setup.kernels}
     send_index = recv_rows = None
     if t < W - 1:
         onward = travel[owner][t + 1]
@@ -219,7 +220,7 @@ def _plan_hop(setup: ExchangeSetup, travel: list[list[torch.Tensor]], t: int) ->
     holder = (rank + t) % W
     mine_used = torch.nonzero(setup.geometry.need_WS[holder, setup.geometry.plan.positions_WL[rank]]).flatten()
     grad_recv = mine_used.to(device) if (t > 0 and mine_used.numel()) else None
-    return Hop(owner, items, plans, send_index, recv_rows or 0, grad_send, grad_recv)
+    return Hop(owner, items, calls, send_index, recv_rows or 0, grad_send, grad_recv)
 
 
 def _hop_items(setup: ExchangeSetup, owner: int, held: torch.Tensor) -> ItemTable:
@@ -240,7 +241,7 @@ def _hop_items(setup: ExchangeSetup, owner: int, held: torch.Tensor) -> ItemTabl
     k_len = (k_end - k_start)[keep]
     k_held = torch.searchsorted(held, k_start[keep])
     if keep.any():
-        assert torch.equal(held[k_held + k_len - 1], k_end[keep] - 1), "ring block lacks a needed row"
+        ensure(torch.equal(held[k_held + k_len - 1], k_end[keep] - 1), "ring block lacks a needed row")
     return ItemTable(
         pieces.local_start[keep], pieces.length[keep], k_held, k_len,
         torch.full((int(keep.sum()),), causal, dtype=torch.bool), setup.local_len, held.numel(),

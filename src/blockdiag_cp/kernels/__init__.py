@@ -6,6 +6,7 @@ import importlib.util
 
 import torch
 
+from ..errors import ensure
 from .base import AttentionKernel, ItemAttention, ItemTable, LseKernel, merge_partial
 from .dense import DenseKernel
 from .flash import FlashKernel
@@ -38,7 +39,7 @@ def select_kernel(requested: str, device: torch.device, need_lse: bool = False) 
         return named[requested](), "requested"
     if requested in ("sdpa", "flex"):
         return (SdpaKernel if requested == "sdpa" else FlexKernel)(device), "requested"
-    assert requested == "auto", requested
+    ensure(requested == "auto", f"unknown kernel {requested!r} passed CPConfig")
     if device.type == "cuda" and need_lse:
         return SdpaKernel(device), "auto: the ring merges by log-sum-exp; PyTorch fused attention per piece"
     if device.type == "cuda":
@@ -65,7 +66,7 @@ def fallback_kernels(requested: str, chosen: AttentionKernel, device: torch.devi
     return tuple(chain)
 
 
-__all__ = [
+__all__ = (
     "AttentionKernel",
     "DenseKernel",
     "FlashKernel",
@@ -78,4 +79,4 @@ __all__ = [
     "fallback_kernels",
     "merge_partial",
     "select_kernel",
-]
+)

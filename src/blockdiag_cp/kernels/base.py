@@ -37,6 +37,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..errors import ensure
 
 @dataclass(frozen=True)
 class ItemTable:
@@ -59,15 +60,16 @@ class ItemTable:
 
     def __post_init__(self) -> None:
         n = self.q_start.numel()
-        assert all(t.numel() == n for t in (self.q_len, self.k_start, self.k_len, self.causal))
+        ensure(all(t.numel() == n for t in (self.q_len, self.k_start, self.k_len, self.causal)), "ragged items")
         if n == 0:
             return
-        assert bool((self.q_len > 0).all()) and bool((self.k_len > 0).all()), "empty item"
-        assert bool((self.q_len[self.causal] <= self.k_len[self.causal]).all()), "causal needs q_len <= k_len"
+        ensure(bool((self.q_len > 0).all()) and bool((self.k_len > 0).all()), "empty item")
+        ensure(bool((self.q_len[self.causal] <= self.k_len[self.causal]).all()), "causal needs q_len <= k_len")
         q_end = self.q_start + self.q_len
-        assert bool((self.q_start[1:] >= q_end[:-1]).all()), "items must hold disjoint, ascending query rows"
-        assert int(q_end[-1]) <= self.num_q_rows and int(self.q_start[0]) >= 0
-        assert int((self.k_start + self.k_len).max()) <= self.num_k_rows and int(self.k_start.min()) >= 0
+        ensure(bool((self.q_start[1:] >= q_end[:-1]).all()), "items must hold disjoint, ascending query rows")
+        ensure(int(q_end[-1]) <= self.num_q_rows and int(self.q_start[0]) >= 0, "query rows out of bounds")
+        ensure(int((self.k_start + self.k_len).max()) <= self.num_k_rows and int(self.k_start.min()) >= 0,
+               "key rows out of bounds")
 
     @property
     def size(self) -> int:
@@ -101,7 +103,8 @@ class AttentionKernel(ABC):
 
     Tensors are one sequence's heads: ``q [H, L, D]``, ``k``/``v`` ``[Hk, N, D]``
     with ``H % Hk == 0`` (grouped-query attention). `prepare` runs once per step and
-    returns whatever the kernel needs per call (index tensors, varlen metadata).
+    returns the kernel's *call table*: whatever its calls need (index tensors, varlen
+    ``cu_seqlens``, a block mask), so a layer call does no host work.
     """
 
     name: ClassVar[str]
@@ -112,7 +115,7 @@ class AttentionKernel(ABC):
 
     @abstractmethod
     def prepare(self, items: ItemTable, device: torch.device) -> Any:
-        """Per-step metadata for `items`, built once (host work happens here)."""
+        """The call table for `items`, built once per step (host work happens here)."""
 
     def check(self, q_HLD: torch.Tensor, dropout_p: float) -> None:
         """Raise `ValueError` if this call's dtype/device/features are unsupported.
@@ -122,8 +125,8 @@ class AttentionKernel(ABC):
         """
 
     @abstractmethod
-    def attend(self, plan: Any, q_HLD, k_HND, v_HND, scale: float, dropout_p: float) -> torch.Tensor:
-        """Differentiable ``o [H, L, D]`` over the plan's items; rows in no item are 0."""
+    def attend(self, calls: Any, q_HLD, k_HND, v_HND, scale: float, dropout_p: float) -> torch.Tensor:
+        """Differentiable ``o [H, L, D]`` over the call table's items; rows in no item are 0."""
 
 
 class LseKernel(AttentionKernel):
@@ -133,14 +136,14 @@ class LseKernel(AttentionKernel):
 
     @abstractmethod
     def forward(
-        self, plan: Any, q_HLD: torch.Tensor, k_HND: torch.Tensor, v_HND: torch.Tensor, scale: float, dropout_p: float
+        self, calls: Any, q_HLD: torch.Tensor, k_HND: torch.Tensor, v_HND: torch.Tensor, scale: float, dropout_p: float
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Return ``(o [H, L, D], lse [H, L] float, aux)``; rows in no item: 0 and -inf."""
 
     @abstractmethod
     def backward(
         self,
-        plan: Any,
+        calls: Any,
         do_HLD: torch.Tensor,
         q_HLD: torch.Tensor,
         k_HND: torch.Tensor,
@@ -153,25 +156,25 @@ class LseKernel(AttentionKernel):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients ``(dq, dk, dv)`` of this table's keys, given the final ``o`` and ``lse``."""
 
-    def attend(self, plan: Any, q_HLD, k_HND, v_HND, scale: float, dropout_p: float) -> torch.Tensor:
-        return ItemAttention.apply(q_HLD, k_HND, v_HND, self, plan, scale, dropout_p)
+    def attend(self, calls: Any, q_HLD, k_HND, v_HND, scale: float, dropout_p: float) -> torch.Tensor:
+        return ItemAttention.apply(q_HLD, k_HND, v_HND, self, calls, scale, dropout_p)
 
 
 class ItemAttention(torch.autograd.Function):
     """``o = attention(q, k, v)`` over an item table; backward through the kernel."""
 
     @staticmethod
-    def forward(ctx, q_HLD, k_HND, v_HND, kernel: "LseKernel", plan: Any, scale: float, dropout_p: float):
-        o_HLD, lse_HL, aux = kernel.forward(plan, q_HLD, k_HND, v_HND, scale, dropout_p)
+    def forward(ctx, q_HLD, k_HND, v_HND, kernel: "LseKernel", calls: Any, scale: float, dropout_p: float):
+        o_HLD, lse_HL, aux = kernel.forward(calls, q_HLD, k_HND, v_HND, scale, dropout_p)
         ctx.save_for_backward(q_HLD, k_HND, v_HND, o_HLD, lse_HL)
-        ctx.kernel, ctx.plan, ctx.aux, ctx.scale, ctx.dropout_p = kernel, plan, aux, scale, dropout_p
+        ctx.kernel, ctx.calls, ctx.aux, ctx.scale, ctx.dropout_p = kernel, calls, aux, scale, dropout_p
         return o_HLD
 
     @staticmethod
     def backward(ctx, do_HLD):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = ctx.kernel.backward(
-            ctx.plan, do_HLD.contiguous(), q, k, v, o, lse, ctx.aux, ctx.scale, ctx.dropout_p
+            ctx.calls, do_HLD.contiguous(), q, k, v, o, lse, ctx.aux, ctx.scale, ctx.dropout_p
         )
         return dq, dk, dv, None, None, None, None
 

@@ -15,7 +15,7 @@ from .base import ItemTable, LseKernel, accumulate_dtype, expand_heads, fold_hea
 
 
 @dataclass(frozen=True)
-class DensePlan:
+class RowKeyRanges:
     """Per-row visible key range ``[k_lo, k_hi)`` (``[L]`` int64 on the device)."""
 
     k_lo: torch.Tensor
@@ -26,18 +26,18 @@ class DenseKernel(LseKernel):
     name = "dense"
     supports_dropout = True
 
-    def prepare(self, items: ItemTable, device: torch.device) -> DensePlan:
+    def prepare(self, items: ItemTable, device: torch.device) -> RowKeyRanges:
         k_lo, k_hi = items.row_key_ranges()
-        return DensePlan(k_lo.to(device), k_hi.to(device))
+        return RowKeyRanges(k_lo.to(device), k_hi.to(device))
 
     @staticmethod
-    def _probs(plan: DensePlan, q_HLD, k_HND, scale: float, lse_HL=None):
+    def _probs(ranges: RowKeyRanges, q_HLD, k_HND, scale: float, lse_HL=None):
         """Masked scores and probabilities ``[H, L, N]`` (and lse if not given)."""
         ct = accumulate_dtype(q_HLD.dtype)
         k = expand_heads(k_HND, q_HLD.shape[0], 0).to(ct)
         scores = torch.matmul(q_HLD.to(ct), k.transpose(-1, -2)) * scale
         cols = torch.arange(k_HND.shape[1], device=q_HLD.device)
-        visible_LN = (cols >= plan.k_lo[:, None]) & (cols < plan.k_hi[:, None])
+        visible_LN = (cols >= ranges.k_lo[:, None]) & (cols < ranges.k_hi[:, None])
         scores = scores.masked_fill(~visible_LN, float("-inf"))
         if lse_HL is None:
             lse_HL = torch.logsumexp(scores, dim=-1)
@@ -45,8 +45,8 @@ class DenseKernel(LseKernel):
         probs = torch.exp(scores - safe.unsqueeze(-1)).masked_fill(~visible_LN, 0.0)
         return probs, lse_HL
 
-    def forward(self, plan, q_HLD, k_HND, v_HND, scale, dropout_p):
-        probs, lse = self._probs(plan, q_HLD, k_HND, scale)
+    def forward(self, calls, q_HLD, k_HND, v_HND, scale, dropout_p):
+        probs, lse = self._probs(calls, q_HLD, k_HND, scale)
         keep = None
         if dropout_p > 0.0:
             keep = torch.rand_like(probs) >= dropout_p
@@ -55,10 +55,10 @@ class DenseKernel(LseKernel):
         o = torch.matmul(probs, v).to(q_HLD.dtype)
         return o, lse, keep
 
-    def backward(self, plan, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale, dropout_p):
+    def backward(self, calls, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale, dropout_p):
         ct = accumulate_dtype(q_HLD.dtype)
         H, Hk = q_HLD.shape[0], k_HND.shape[0]
-        probs, _ = self._probs(plan, q_HLD, k_HND, scale, lse_HL)
+        probs, _ = self._probs(calls, q_HLD, k_HND, scale, lse_HL)
         do = do_HLD.to(ct)
         kept = probs if aux is None else probs * aux / (1.0 - dropout_p)
         dv = torch.matmul(kept.transpose(-1, -2), do)

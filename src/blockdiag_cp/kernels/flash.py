@@ -1,4 +1,4 @@
-"""`flash`: flash-attn's varlen kernel, one packed call per step's segments (GPU, fp16/bf16).
+"""`flash`: flash-attn's varlen kernel, one packed call per alignment (GPU, fp16/bf16).
 
 ``flash_attn_varlen_func(..., causal=True)`` aligns causal masks bottom-right (flash-attn
 >= 2.1), exactly what a piece whose document began on an earlier rank needs. The
@@ -16,8 +16,8 @@ class FlashKernel(VarlenKernel):
     package = "flash_attn"
     install_name = "flash-attn"
 
-    def attend_segments(self, seg, q_THD, k_THD, v_THD, scale, dropout_p):
+    def attend_packed(self, call, q_THD, k_THD, v_THD, scale, dropout_p):
         return self.module.flash_attn_varlen_func(
-            q_THD, k_THD, v_THD, seg.cu_seqlens_q, seg.cu_seqlens_k, seg.max_seqlen_q, seg.max_seqlen_k,
-            dropout_p=dropout_p, softmax_scale=scale, causal=seg.causal,
+            q_THD, k_THD, v_THD, call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k,
+            dropout_p=dropout_p, softmax_scale=scale, causal=call.causal,
         )

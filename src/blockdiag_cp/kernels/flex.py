@@ -16,7 +16,7 @@ from .base import AttentionKernel, ItemTable
 
 
 @dataclass(frozen=True)
-class FlexPlan:
+class FlexCall:
     block_mask: Any
     has_keys: torch.Tensor  # [L] bool: rows that see at least one key
 
@@ -32,7 +32,7 @@ class FlexKernel(AttentionKernel):
         # compiled on GPU (a fused kernel); eager on CPU, where only the forward exists
         self._flex = torch.compile(flex_attention) if device.type == "cuda" else flex_attention
 
-    def prepare(self, items: ItemTable, device: torch.device) -> FlexPlan:
+    def prepare(self, items: ItemTable, device: torch.device) -> FlexCall:
         from torch.nn.attention.flex_attention import create_block_mask
 
         lo, hi = (t.to(device) for t in items.row_key_ranges())
@@ -43,7 +43,7 @@ class FlexKernel(AttentionKernel):
         # a zero-length key buffer is not a valid block mask; rows then see nothing
         kv_len = max(items.num_k_rows, 1)
         mask = create_block_mask(visible, B=None, H=None, Q_LEN=items.num_q_rows, KV_LEN=kv_len, device=device)
-        return FlexPlan(mask, hi > lo)
+        return FlexCall(mask, hi > lo)
 
     def check(self, q_HLD: torch.Tensor, dropout_p: float) -> None:
         if q_HLD.device.type == "cpu" and torch.is_grad_enabled() and q_HLD.requires_grad:
@@ -52,12 +52,12 @@ class FlexKernel(AttentionKernel):
                 "use kernel='sdpa' (or flex under torch.no_grad())"
             )
 
-    def attend(self, plan: FlexPlan, q_HLD, k_HND, v_HND, scale, dropout_p):
+    def attend(self, call: FlexCall, q_HLD, k_HND, v_HND, scale, dropout_p):
         if k_HND.shape[1] == 0:
             return torch.zeros_like(q_HLD)
         out = self._flex(
-            q_HLD.unsqueeze(0), k_HND.unsqueeze(0), v_HND.unsqueeze(0), block_mask=plan.block_mask,
+            q_HLD.unsqueeze(0), k_HND.unsqueeze(0), v_HND.unsqueeze(0), block_mask=call.block_mask,
             scale=scale, enable_gqa=q_HLD.shape[0] != k_HND.shape[0],
         )[0]
-        return torch.where(plan.has_keys[None, :, None], out, torch.zeros_like(out))
+        return torch.where(call.has_keys[None, :, None], out, torch.zeros_like(out))
 

@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from ..errors import ensure
 from .base import ItemTable, LseKernel, accumulate_dtype, expand_heads, fold_heads, merge_partial
 
 
@@ -91,28 +92,28 @@ def fused_ops_for(device: torch.device):
 
 @dataclass(frozen=True)
 class RowSelect:
-    """``n`` equal-length runs of rows of a ``[H, R, D]`` tensor: one slice, or an index."""
+    """``G`` equal-length runs of rows of a ``[H, R, D]`` tensor: one slice, or an index."""
 
     length: int
     start: Optional[int] = None
-    index_NL: Optional[torch.Tensor] = None
+    index_GL: Optional[torch.Tensor] = None
 
     def take(self, t_HRD: torch.Tensor) -> torch.Tensor:
-        """``[n, H, length, ...]`` view or copy of the selected rows."""
+        """``[G, H, length, ...]`` view or copy of the selected rows."""
         if self.start is not None:
             return t_HRD[:, self.start : self.start + self.length].unsqueeze(0)
-        n = self.index_NL.shape[0]
-        picked = t_HRD.index_select(1, self.index_NL.reshape(-1))
+        n = self.index_GL.shape[0]
+        picked = t_HRD.index_select(1, self.index_GL.reshape(-1))
         return picked.reshape(t_HRD.shape[0], n, self.length, *t_HRD.shape[2:]).transpose(0, 1)
 
-    def put(self, t_HRD: torch.Tensor, value_NHL: torch.Tensor, accumulate: bool) -> None:
-        """Write (or add) ``value [n, H, length, ...]`` into the selected rows, in place."""
+    def put(self, t_HRD: torch.Tensor, value_GHL: torch.Tensor, accumulate: bool) -> None:
+        """Write (or add) ``value [G, H, length, ...]`` into the selected rows, in place."""
         if self.start is not None:
             view = t_HRD[:, self.start : self.start + self.length]
-            view.add_(value_NHL[0]) if accumulate else view.copy_(value_NHL[0])
+            view.add_(value_GHL[0]) if accumulate else view.copy_(value_GHL[0])
             return
-        flat = value_NHL.transpose(0, 1).reshape(t_HRD.shape[0], -1, *t_HRD.shape[2:])
-        index = self.index_NL.reshape(-1)
+        flat = value_GHL.transpose(0, 1).reshape(t_HRD.shape[0], -1, *t_HRD.shape[2:])
+        index = self.index_GL.reshape(-1)
         if accumulate:
             t_HRD.index_add_(1, index, flat.to(t_HRD.dtype))
         else:
@@ -121,7 +122,7 @@ class RowSelect:
 
 @dataclass(frozen=True)
 class FusedCall:
-    """One fused call: ``n`` items of equal shape; `merge` if rows hold a partial result."""
+    """One fused call: ``G`` items of equal shape; `merge` if rows hold a partial result."""
 
     causal: bool
     merge: bool
@@ -133,10 +134,10 @@ def _select(starts: list[int], length: int, device: torch.device) -> RowSelect:
     if len(starts) == 1:
         return RowSelect(length, start=starts[0])
     base = torch.tensor(starts, dtype=torch.long).unsqueeze(1)
-    return RowSelect(length, index_NL=(base + torch.arange(length)).to(device))
+    return RowSelect(length, index_GL=(base + torch.arange(length)).to(device))
 
 
-def plan_fused_calls(items: ItemTable, device: torch.device) -> tuple[FusedCall, ...]:
+def fused_calls(items: ItemTable, device: torch.device) -> tuple[FusedCall, ...]:
     """Split causal items into prefix + square, group equal shapes; first-touch calls first."""
     groups: dict[tuple[bool, bool, int, int], tuple[list[int], list[int]]] = {}
 
@@ -175,14 +176,14 @@ class SdpaKernel(LseKernel):
     def prepare(self, items: ItemTable, device: torch.device) -> tuple[FusedCall, ...]:
         if device.type != self.device_type:
             raise ValueError(f"kernel='sdpa' was set up for {self.device_type}, got tensors on {device}")
-        return plan_fused_calls(items, device)
+        return fused_calls(items, device)
 
-    def forward(self, plan, q_HLD, k_HND, v_HND, scale, dropout_p):
-        assert dropout_p == 0.0, "callers route dropout to a kernel that supports it"
+    def forward(self, calls, q_HLD, k_HND, v_HND, scale, dropout_p):
+        ensure(dropout_p == 0.0, "callers route dropout to a kernel that supports it")
         H, L, _ = q_HLD.shape
         o = torch.zeros_like(q_HLD)
         lse = torch.full((H, L), float("-inf"), dtype=accumulate_dtype(q_HLD.dtype), device=q_HLD.device)
-        for call in plan:
+        for call in calls:
             q, k, v = call.q_rows.take(q_HLD), call.k_rows.take(k_HND), call.k_rows.take(v_HND)
             o_part, lse_part = self._ops.fwd(q, k, v, call.causal, scale)
             if call.merge:
@@ -191,7 +192,7 @@ class SdpaKernel(LseKernel):
             call.q_rows.put(lse, lse_part, accumulate=False)
         return o, lse, None
 
-    def backward(self, plan, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale, dropout_p):
+    def backward(self, calls, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale, dropout_p):
         acc = accumulate_dtype(q_HLD.dtype)
         dq = torch.zeros(q_HLD.shape, dtype=acc, device=q_HLD.device)
         dk = torch.zeros(k_HND.shape, dtype=acc, device=k_HND.device)
@@ -199,7 +200,7 @@ class SdpaKernel(LseKernel):
         # In half precision the CPU fused backward sums grouped-query heads in that
         # precision; expand K/V heads and sum their gradients in float32 instead.
         groups = q_HLD.shape[0] // k_HND.shape[0] if q_HLD.element_size() < 4 and self.device_type == "cpu" else 1
-        for call in plan:
+        for call in calls:
             q, k, v = call.q_rows.take(q_HLD), call.k_rows.take(k_HND), call.k_rows.take(v_HND)
             if groups > 1:
                 k, v = expand_heads(k, q.shape[1], 1), expand_heads(v, q.shape[1], 1)

@@ -1,6 +1,6 @@
 """`te`: TransformerEngine's ``DotProductAttention`` in THD format (GPU, fp16/bf16).
 
-Causal segments use ``attn_mask_type="padding_causal_bottom_right"``, full ones
+Causal calls use ``attn_mask_type="padding_causal_bottom_right"``, full ones
 ``"padding"``. The import is lazy: a CPU install never needs TransformerEngine.
 """
 
@@ -28,13 +28,13 @@ class TEKernel(VarlenKernel):
             )
         return self._modules[key]
 
-    def attend_segments(self, seg, q_THD, k_THD, v_THD, scale, dropout_p):
+    def attend_packed(self, call, q_THD, k_THD, v_THD, scale, dropout_p):
         T, H, D = q_THD.shape
         attention = self._dot_product_attention(H, D, k_THD.shape[1], scale)
         out = attention(
             q_THD, k_THD, v_THD, qkv_format="thd",
-            attn_mask_type="padding_causal_bottom_right" if seg.causal else "padding",
-            cu_seqlens_q=seg.cu_seqlens_q, cu_seqlens_kv=seg.cu_seqlens_k,
-            max_seqlen_q=seg.max_seqlen_q, max_seqlen_kv=seg.max_seqlen_k,
+            attn_mask_type="padding_causal_bottom_right" if call.causal else "padding",
+            cu_seqlens_q=call.cu_seqlens_q, cu_seqlens_kv=call.cu_seqlens_k,
+            max_seqlen_q=call.max_seqlen_q, max_seqlen_kv=call.max_seqlen_k,
         )
         return out.reshape(T, H, D)

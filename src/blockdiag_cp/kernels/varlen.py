@@ -1,10 +1,10 @@
-"""Varlen metadata for packed-segment kernels (flash-attn, TransformerEngine THD).
+"""Varlen call tables for packed-sequence kernels (flash-attn, TransformerEngine THD).
 
-Note [Varlen segments from items]
----------------------------------
-Varlen kernels take queries and keys packed segment after segment, described by
-cumulative lengths. From an `ItemTable` (built once per step) we derive, per group
-of items with the same alignment (causal or full):
+Note [Varlen calls from items]
+------------------------------
+Varlen kernels take queries and keys packed sequence after sequence (one sequence per
+item), described by cumulative lengths. From an `ItemTable` (built once per step) we
+derive one call per group of items with the same alignment (causal or full):
 
     q_rows        [Tq]  local query rows, item after item (padding rows skipped)
     k_rows        [Tk]  key-buffer rows, item after item (a key may repeat when two
@@ -13,7 +13,7 @@ of items with the same alignment (causal or full):
     cu_seqlens_k  [n+1] int32, cumulative key lengths
     max_seqlen_q/k      Python ints (host values computed once: no per-layer sync)
 
-Causal items are bottom-right aligned (query i of a segment sees keys
+Causal items are bottom-right aligned (query i of a sequence sees keys
 ``j <= i + k_len - q_len``), which is flash-attn's ``causal=True`` and
 TransformerEngine's ``padding_causal_bottom_right``.
 """
@@ -27,12 +27,13 @@ from typing import ClassVar
 
 import torch
 
+from ..errors import ensure
 from .base import AttentionKernel, ItemTable
 
 
 @dataclass(frozen=True)
-class VarlenSegments:
-    """One packed call's metadata (Note [Varlen segments from items]); tensors on the device."""
+class VarlenCall:
+    """One packed kernel call's metadata (Note [Varlen calls from items]); tensors on the device."""
 
     causal: bool
     q_rows: torch.Tensor
@@ -55,31 +56,31 @@ def _cumulative(lengths: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, dim=0)]).to(torch.int32)
 
 
-def validate_segments(seg: "VarlenSegments", num_q_rows: int, num_k_rows: int) -> None:
-    """Host checks, once per step: monotone, in bounds, ``q_len <= k_len`` for causal segments.
+def validate_varlen_call(call: "VarlenCall", num_q_rows: int, num_k_rows: int) -> None:
+    """Host checks, once per step: monotone, in bounds, ``q_len <= k_len`` for causal calls.
 
-    The segments derive from a validated `ItemTable`, so a failure is a bug here.
+    The call derives from a validated `ItemTable`, so a failure is a bug here.
     """
-    cu_q, cu_k = seg.cu_seqlens_q.cpu().long(), seg.cu_seqlens_k.cpu().long()
+    cu_q, cu_k = call.cu_seqlens_q.cpu().long(), call.cu_seqlens_k.cpu().long()
     q_len, k_len = torch.diff(cu_q), torch.diff(cu_k)
-    assert bool((q_len > 0).all()) and bool((k_len > 0).all()), "empty varlen segment"
-    assert not seg.causal or bool((q_len <= k_len).all()), "causal segment with more queries than keys"
-    assert int(cu_q[-1]) == seg.q_rows.numel() and int(cu_k[-1]) == seg.k_rows.numel(), "cu_seqlens != rows"
-    q_rows, k_rows = seg.q_rows.cpu(), seg.k_rows.cpu()
-    assert 0 <= int(q_rows.min()) and int(q_rows.max()) < num_q_rows, "query row out of bounds"
-    assert 0 <= int(k_rows.min()) and int(k_rows.max()) < num_k_rows, "key row out of bounds"
-    assert seg.max_seqlen_q == int(q_len.max()) and seg.max_seqlen_k == int(k_len.max()), "max lengths"
+    ensure(bool((q_len > 0).all()) and bool((k_len > 0).all()), "empty varlen sequence")
+    ensure(not call.causal or bool((q_len <= k_len).all()), "causal varlen sequence with more queries than keys")
+    ensure(int(cu_q[-1]) == call.q_rows.numel() and int(cu_k[-1]) == call.k_rows.numel(), "cu_seqlens != rows")
+    q_rows, k_rows = call.q_rows.cpu(), call.k_rows.cpu()
+    ensure(0 <= int(q_rows.min()) and int(q_rows.max()) < num_q_rows, "query row out of bounds")
+    ensure(0 <= int(k_rows.min()) and int(k_rows.max()) < num_k_rows, "key row out of bounds")
+    ensure(call.max_seqlen_q == int(q_len.max()) and call.max_seqlen_k == int(k_len.max()), "max lengths")
 
 
-def build_varlen_segments(items: ItemTable, device: torch.device) -> tuple[VarlenSegments, ...]:
-    """One `VarlenSegments` per alignment present in `items` (causal first), validated."""
+def varlen_calls(items: ItemTable, device: torch.device) -> tuple[VarlenCall, ...]:
+    """One `VarlenCall` per alignment present in `items` (causal first), validated."""
     out = []
     for causal in (True, False):
         keep = items.causal == causal
         if not bool(keep.any()):
             continue
         q_len, k_len = items.q_len[keep], items.k_len[keep]
-        seg = VarlenSegments(
+        call = VarlenCall(
             causal,
             _ranges(items.q_start[keep], q_len).to(device),
             _ranges(items.k_start[keep], k_len).to(device),
@@ -88,31 +89,31 @@ def build_varlen_segments(items: ItemTable, device: torch.device) -> tuple[Varle
             int(q_len.max()),
             int(k_len.max()),
         )
-        validate_segments(seg, items.num_q_rows, items.num_k_rows)
-        out.append(seg)
+        validate_varlen_call(call, items.num_q_rows, items.num_k_rows)
+        out.append(call)
     return tuple(out)
 
 
-def packed_attention(segments: tuple[VarlenSegments, ...], q_HLD, k_HND, v_HND, call) -> torch.Tensor:
-    """Run ``call(seg, q [Tq, H, D], k [Tk, Hk, D], v) -> [Tq, H, D]`` per segment group; scatter to ``[H, L, D]``.
+def packed_attention(calls: tuple[VarlenCall, ...], q_HLD, k_HND, v_HND, run) -> torch.Tensor:
+    """Run ``run(call, q [Tq, H, D], k [Tk, Hk, D], v) -> [Tq, H, D]`` per call; scatter to ``[H, L, D]``.
 
-    Differentiable (gather/scatter by index); rows in no segment are zero.
+    Differentiable (gather/scatter by index); rows in no call are zero.
     """
     H, L, D = q_HLD.shape
     out_LHD = q_HLD.new_zeros(L, H, D)
-    for seg in segments:
-        q = q_HLD.transpose(0, 1).index_select(0, seg.q_rows)
-        k = k_HND.transpose(0, 1).index_select(0, seg.k_rows)
-        v = v_HND.transpose(0, 1).index_select(0, seg.k_rows)
-        out_LHD = out_LHD.index_copy(0, seg.q_rows, call(seg, q, k, v).to(q_HLD.dtype))
+    for call in calls:
+        q = q_HLD.transpose(0, 1).index_select(0, call.q_rows)
+        k = k_HND.transpose(0, 1).index_select(0, call.k_rows)
+        v = v_HND.transpose(0, 1).index_select(0, call.k_rows)
+        out_LHD = out_LHD.index_copy(0, call.q_rows, run(call, q, k, v).to(q_HLD.dtype))
     return out_LHD.transpose(0, 1)
 
 
 class VarlenKernel(AttentionKernel):
-    """A packed-segment GPU kernel: varlen metadata once per step, fp16/bf16 calls.
+    """A packed-sequence GPU kernel: varlen call tables once per step, fp16/bf16 calls.
 
     Its package is imported lazily (a CPU install never needs it); subclasses run
-    one group of segments in `attend_segments`.
+    one `VarlenCall` in `attend_packed`.
     """
 
     supports_lse = False
@@ -128,8 +129,8 @@ class VarlenKernel(AttentionKernel):
                 f"kernel={self.name!r} needs {self.install_name}: pip install 'blockdiag-cp[gpu]'"
             ) from exc
 
-    def prepare(self, items: ItemTable, device: torch.device) -> tuple[VarlenSegments, ...]:
-        return build_varlen_segments(items, device)
+    def prepare(self, items: ItemTable, device: torch.device) -> tuple[VarlenCall, ...]:
+        return varlen_calls(items, device)
 
     def check(self, q_HLD: torch.Tensor, dropout_p: float) -> None:
         if q_HLD.dtype not in (torch.float16, torch.bfloat16):
@@ -137,11 +138,16 @@ class VarlenKernel(AttentionKernel):
                 f"kernel={self.name!r} runs in float16/bfloat16, got {q_HLD.dtype}; use kernel='sdpa' or autocast"
             )
 
-    def attend(self, plan, q_HLD, k_HND, v_HND, scale, dropout_p):
+    def attend(self, calls, q_HLD, k_HND, v_HND, scale, dropout_p):
         return packed_attention(
-            plan, q_HLD, k_HND, v_HND, lambda seg, q, k, v: self.attend_segments(seg, q, k, v, scale, dropout_p)
+            calls, q_HLD, k_HND, v_HND, lambda call, q, k, v: self.attend_packed(call, q, k, v, scale, dropout_p)
         )
 
     @abstractmethod
-    def attend_segments(self, seg: VarlenSegments, q_THD, k_THD, v_THD, scale: float, dropout_p: float) -> torch.Tensor:
-        """``q [Tq, H, D]``, ``k``/``v`` ``[Tk, Hk, D]`` packed by `seg` -> ``[Tq, H, D]``."""
+    def attend_packed(self, call: VarlenCall, q_THD, k_THD, v_THD, scale: float, dropout_p: float) -> torch.Tensor:
+        """``q [Tq, H, D]``, ``k``/``v`` ``[Tk, Hk, D]`` packed as `call` says -> ``[Tq, H, D]``."""
+
+
+#: Old names (0.1), kept for code that imported them.
+VarlenSegments = VarlenCall
+build_varlen_segments = varlen_calls

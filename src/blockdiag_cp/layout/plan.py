@@ -1,4 +1,4 @@
-"""Token-to-rank assignment: `ShardPlan` and its planners, plus the attention work model.
+"""`ShardPlan` (which padded-row positions each CP rank owns) and the attention work model.
 
 A plan pads the packed row to ``padded_len`` (a multiple of ``world``) and gives each
 rank ``local_len = padded_len // world`` positions, listed in ascending order. Every
@@ -12,13 +12,11 @@ the real positions it owns.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping
-from types import MappingProxyType
+from typing import Optional
 
 import torch
 
-from .config import LAYOUTS, check_choice
-from .docs import doc_starts, validate_doc_ids
+from ..doc_ids import doc_starts
 
 
 @dataclass(frozen=True)
@@ -29,7 +27,7 @@ class ShardPlan:
         layout: the planner that made it (``"contiguous"`` or ``"balanced"``).
         seq_len: ``S``, the unpadded length.
         padded_len: ``S_pad``, a multiple of ``world``; positions ``>= S`` are padding.
-        positions_WL: ``[world, L]`` int64 (CPU): rank ``r``'s positions, ascending.
+        positions_WL: ``[W, L]`` int64 (CPU): rank ``r``'s positions, ascending.
     """
 
     layout: str
@@ -51,7 +49,7 @@ class ShardPlan:
             raise ValueError(f"rank {rank} is outside the plan's world of {self.world}")
         return self.positions_WL[rank]
 
-    def contiguous_start(self, rank: int) -> int | None:
+    def contiguous_start(self, rank: int) -> Optional[int]:
         """First position of `rank` if it owns one contiguous range, else None."""
         pos = self.positions_WL[rank]
         first = int(pos[0])
@@ -85,51 +83,6 @@ def query_work(doc_ids_S: torch.Tensor) -> torch.Tensor:
 
 
 def attention_work(plan: ShardPlan, doc_ids_S: torch.Tensor) -> torch.Tensor:
-    """``[world]`` int64: causal attention work (query-key pairs) per rank under `plan`."""
+    """``[W]`` int64: causal attention work (query-key pairs) per rank under `plan`."""
     work_S = query_work(pad_doc_ids(doc_ids_S.cpu(), plan.padded_len))
     return work_S[plan.positions_WL].sum(dim=1)
-
-
-def plan_contiguous(doc_ids_S: torch.Tensor, world: int) -> ShardPlan:
-    """The seed's layout: pad to a multiple of `world`, rank r owns ``[r*L, (r+1)*L)``."""
-    S = doc_ids_S.numel()
-    local_len = -(-S // world)
-    positions = torch.arange(local_len * world).reshape(world, local_len)
-    return ShardPlan("contiguous", S, local_len * world, positions)
-
-
-def _planners() -> Mapping[str, Callable[[torch.Tensor, int], ShardPlan]]:
-    from .balance import plan_balanced  # local import: balance builds on this module
-
-    return MappingProxyType({"contiguous": plan_contiguous, "balanced": plan_balanced})
-
-
-def plan_shards(doc_ids: torch.Tensor, world: int, layout: str = "contiguous") -> ShardPlan:
-    """Assign the padded row's positions to `world` ranks.
-
-    Args:
-        doc_ids: ``[1, S]`` or ``[S]`` integer document ids, 0 = padding.
-        world: number of CP ranks (>= 1).
-        layout: ``"contiguous"`` or ``"balanced"``.
-
-    Returns:
-        The `ShardPlan`; `make_cp_blockdiag_batch_and_ctx` with the same layout
-        produces exactly ``plan.rank_positions(rank)`` on each rank.
-    """
-    check_choice("layout", layout, LAYOUTS)
-    if not isinstance(world, int) or world < 1:
-        raise ValueError(f"world must be a positive int, got {world!r}")
-    if not isinstance(doc_ids, torch.Tensor) or doc_ids.dim() not in (1, 2):
-        raise ValueError("doc_ids must be a [1, S] or [S] tensor")
-    ids_1S = doc_ids.reshape(1, -1) if doc_ids.dim() == 1 else doc_ids
-    if ids_1S.shape[0] != 1:
-        raise ValueError(f"doc_ids must hold one packed row, got batch size {ids_1S.shape[0]}")
-    if ids_1S.shape[1] == 0:
-        raise ValueError("doc_ids is empty: the sequence must hold at least one token")
-    ids_S = validate_doc_ids(ids_1S, ids_1S.shape[1], 1).reshape(-1).cpu()
-    return make_plan(ids_S, world, layout)
-
-
-def make_plan(doc_ids_S: torch.Tensor, world: int, layout: str) -> ShardPlan:
-    """`plan_shards` for ids already validated: ``[S]`` int64 on the CPU."""
-    return _planners()[layout](doc_ids_S, world)

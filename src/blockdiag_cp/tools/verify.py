@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .verify import ParityCase, parity_worker, reference_error, run_parity_case, spawn
+from ..testing import ParityCase, parity_worker, reference_error, run_parity_case, spawn
 
 FLOAT64_TOL = 1e-9
 

@@ -1,0 +1,169 @@
+"""`cp_blockdiag_sdpa`: a drop-in for `F.scaled_dot_product_attention` under block-diagonal CP.
+
+Outside an active step it is stock SDPA. Inside one (``with train_ctx():``) the
+local queries attend, causally, to exactly the keys of their own document, wherever
+those keys live: state -> exchange -> kernel. Per call this does only host-side
+checks of shapes and dtypes (no device synchronisation) and the math: everything
+else was planned once per step.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .slot import STEP_SLOT, CallSignature
+from .state import StepState
+
+
+def cp_blockdiag_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    **kwargs,
+) -> torch.Tensor:
+    """Scaled dot-product attention; per-document causal CP attention inside a step.
+
+    Args:
+        query: ``[1, H, L, D]`` local queries (``L`` = this rank's shard length).
+        key, value: ``[1, Hk, L, D]`` local keys/values; ``H % Hk == 0``.
+        attn_mask, is_causal: used only outside a step; inside, the mask comes from
+            the document ids (causal within each document, nothing across).
+        dropout_p: attention dropout probability (routed to a kernel supporting it).
+        scale: softmax scale, default ``1 / sqrt(D)``.
+        enable_gqa: allow ``Hk < H`` (as in SDPA); inside a step equal heads or
+            ``enable_gqa=True`` are required when ``Hk != H``.
+        **kwargs: accepted for signature compatibility with callers; unused.
+
+    Returns:
+        ``[1, H, L, D]``, dtype of `query`. Padding rows are zeros.
+    """
+    state = STEP_SLOT.current()
+    if state is None:
+        refuse_late_recompute(query)
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+            scale=scale, enable_gqa=enable_gqa,
+        )
+    step_id = STEP_SLOT.note_call(_signature(query))
+    if query.requires_grad or key.requires_grad or value.requires_grad:
+        query, key, value = _MarkStepBackward.apply(step_id, query, key, value)
+    return attend_in_step(state, query, key, value, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
+
+
+def attend_in_step(
+    state: StepState,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Per-document causal attention of this rank's ``[1, H, L, D]`` shards under `state`."""
+    _check_step_shapes(state, query, key, value, enable_gqa)
+    kernel = _kernel_for(state, query, float(dropout_p))
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    out_HLD = state.exchange.attend(query[0], key[0], value[0], kernel, scale, float(dropout_p))
+    return out_HLD.unsqueeze(0)
+
+
+def _signature(query: torch.Tensor) -> CallSignature:
+    return (query.shape[1], query.shape[-1], query.dtype)
+
+
+class _MarkStepBackward(torch.autograd.Function):
+    """Identity on ``(q, k, v)`` whose backward tells the slot that backward reached
+    step `step_id` (Note [Late recompute] in slot.py).
+
+    It marks the inputs, not the output: backward reaches it only after the attention's
+    own backward, so a late recompute (triggered by that backward) is caught first.
+    """
+
+    @staticmethod
+    def forward(ctx, step_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        ctx.step_id = step_id
+        return q.view_as(q), k.view_as(k), v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        STEP_SLOT.note_backward(ctx.step_id)
+        return None, dq, dk, dv
+
+
+def refuse_late_recompute(query: torch.Tensor) -> None:
+    """Raise if this call, outside any step, is a checkpointed CP layer recomputed in
+    backward after its step's ``train_ctx()`` exited (Note [Late recompute] in slot.py).
+
+    Such a recompute would silently compute unsharded, unmasked attention.
+    """
+    ended = STEP_SLOT.ended_step()
+    if ended is None or query.dim() != 4 or torch._C._current_graph_task_id() == -1:
+        return
+    if ended.matches(query.shape[-2], _signature(query)):
+        raise RuntimeError(
+            "attention was recomputed in backward (activation checkpointing) after the "
+            "block-diagonal CP step ended; call loss.backward() inside `with train_ctx():`"
+        )
+
+
+def _check_step_shapes(state: StepState, query, key, value, enable_gqa: bool) -> None:
+    """`ValueError` unless q/k/v are this rank's ``[1, H, L, D]`` shards."""
+    L = state.local_len
+    if query.device.type != state.device.type or (
+        query.device.index is not None and state.device.index is not None and query.device.index != state.device.index
+    ):
+        raise ValueError(f"query is on {query.device} but the step was planned on {state.device} (the batch's device)")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() != 4 or t.shape[0] != 1 or t.shape[2] != L:
+            raise ValueError(
+                f"inside a block-diagonal CP step, {name} must be [1, heads, {L}, head_dim] "
+                f"(this rank's shard of length {L}), got {tuple(t.shape)}"
+            )
+    if key.shape != value.shape:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same shape")
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(f"query head_dim {query.shape[-1]} != key head_dim {key.shape[-1]}")
+    H, Hk = query.shape[1], key.shape[1]
+    if H % Hk:
+        raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({Hk})")
+    if H != Hk and not enable_gqa:
+        raise ValueError(f"query has {H} heads and key/value {Hk}: pass enable_gqa=True for grouped-query attention")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise ValueError(f"query, key and value dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}")
+
+
+def _kernel_for(state: StepState, query: torch.Tensor, dropout_p: float):
+    """The first of the step's kernels that accepts this call (the same on every rank).
+
+    An explicitly requested kernel has no fallbacks, so its refusal is raised as is.
+    """
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    refusals = []
+    for kernel in (state.kernel, *state.fallback_kernels):
+        if dropout_p > 0.0 and not kernel.supports_dropout:
+            refusals.append(f"kernel={kernel.name!r} has no attention dropout")
+            continue
+        try:
+            kernel.check(query[0], dropout_p)
+        except ValueError as exc:
+            refusals.append(str(exc))
+            continue
+        if refusals:  # shown once per distinct reason (Python's warning registry), and recorded
+            reason = "; ".join(refusals)
+            state.call_notes.record_fallback(kernel.name, reason)
+            warnings.warn(f"blockdiag-cp kernel='auto' uses {kernel.name!r} for this call: {reason}")
+        return kernel
+    hint = "" if state.fallback_kernels else "; use CPConfig(kernel='auto') or another kernel"
+    raise ValueError("; ".join(refusals) + hint)

@@ -1,0 +1,131 @@
+"""The balanced layout: equal tokens *and* equal causal attention work on every rank.
+
+Note [Balanced planner: fold a work-sorted chunk order]
+-------------------------------------------------------
+The work of a query is the number of keys it sees, ``w = offset in document + 1``;
+padding has ``w = 0``. Contiguous shards are equal in tokens but not in work (the
+rank holding a long document's tail does most of it). Zigzag fixes one document by
+pairing a light head chunk with a heavy tail chunk, but needs every document
+padded to a multiple of ``2 * cp``. This planner needs no per-document padding:
+
+1. Cut every document into chunks of ``c`` tokens and order all chunks by their
+   index inside their document, then by the document's length, then by position:
+   all first chunks (shortest documents first), then all second chunks, ...
+   Padding comes first. Along this order ``w`` is non-decreasing up to the band
+   ``c``, the mean ``w`` of whole short documents grows with their length, and
+   chunks of one document that stay neighbours in this order are neighbours in the
+   row.
+
+       row:    [A0 A1 A2 A3][B0 B1][C0]      (Xk = chunk k of document X)
+       order:   pad  C0 B0 A0  B1 A1  A2  A3
+                light ----------------> heavy
+
+2. Fold the order like zigzag: rank r takes ``x_r`` tokens from the front of what
+   is left and ``L - x_r`` from the back, with ``x_r`` chosen so its work is the
+   remaining work divided by the remaining ranks. Because the order is (nearly)
+   sorted, the front is lighter and the back heavier than that target, so such an
+   ``x_r`` exists; among near-equal choices the planner prefers cuts at document
+   or chunk edges (fewer, longer pieces).
+
+       order:  [r0 | r1 | r2 | ...  middle  ... | r2 | r1 | r0]
+
+3. If some rank is off the mean by more than the tolerance, halve ``c`` (a finer,
+   more exactly sorted order) and fold again. ``c`` starts at ``L``, so one long
+   document gets the classic two pieces per rank.
+
+Only the total is padded, to the next multiple of ``world``. Deterministic: no
+randomness, ties broken by position. Cost ``O(S log S)`` per attempt (numpy).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..doc_ids import run_starts
+from .plan import ShardPlan, pad_doc_ids, query_work
+
+#: Target: every rank's work within this fraction of the mean.
+BALANCE_TOLERANCE = 0.05
+#: Among fold points whose work is this close to the target, prefer clean cuts.
+_NEAR_TARGET = 0.005
+
+
+def plan_balanced(doc_ids_S: torch.Tensor, world: int) -> ShardPlan:
+    """Plan equal-token, equal-work shards (Note [Balanced planner])."""
+    S = doc_ids_S.numel()
+    L = -(-S // world)
+    ids = pad_doc_ids(doc_ids_S, L * world)
+    work = query_work(ids).numpy()
+    offset = work - 1  # position inside the document (-1 for padding)
+    length = _document_lengths(ids)
+    best, best_spread = None, float("inf")
+    chunk = max(1, L)
+    while True:
+        order = _chunk_order(offset, length, chunk)
+        assignment = _fold(order, work, world, L)
+        spread = _spread(assignment, work)
+        if spread < best_spread:
+            best, best_spread = assignment, spread
+        if best_spread <= BALANCE_TOLERANCE or chunk == 1:
+            break
+        chunk //= 2
+    positions = torch.from_numpy(np.sort(best, axis=1))
+    return ShardPlan("balanced", S, L * world, positions)
+
+
+def _document_lengths(ids: torch.Tensor) -> np.ndarray:
+    """``[S_pad]``: the length of each position's document (or padding run)."""
+    run = torch.cumsum(run_starts(ids).long(), dim=0) - 1
+    return torch.bincount(run)[run].numpy()
+
+
+def _chunk_order(offset: np.ndarray, length: np.ndarray, chunk: int) -> np.ndarray:
+    """Positions ordered by (chunk index inside the document, document length, position); padding first."""
+    chunk_index = np.where(offset < 0, -1, offset // chunk)
+    return np.lexsort((np.arange(offset.size), length, chunk_index))
+
+
+def _clean_cuts(order: np.ndarray) -> np.ndarray:
+    """``[S_pad + 1]`` bool: cutting the order before index i splits no run of the row."""
+    clean = np.ones(order.size + 1, dtype=bool)
+    clean[1:-1] = order[1:] != order[:-1] + 1
+    return clean
+
+
+def _fold(order: np.ndarray, work: np.ndarray, world: int, L: int) -> np.ndarray:
+    """``[world, L]`` positions: rank r takes x_r from the front and L - x_r from the back."""
+    prefix = np.concatenate([[0], np.cumsum(work[order], dtype=np.int64)])
+    clean = _clean_cuts(order)
+    lo, hi = 0, order.size
+    ranks = np.empty((world, L), dtype=np.int64)
+    for r in range(world):
+        x = _choose_split(prefix, clean, lo, hi, L, world - r)
+        ranks[r] = np.concatenate([order[lo : lo + x], order[hi - (L - x) : hi]])
+        lo, hi = lo + x, hi - (L - x)
+    return ranks
+
+
+def _choose_split(prefix: np.ndarray, clean: np.ndarray, lo: int, hi: int, L: int, ranks_left: int) -> int:
+    """Front size x in [0, L] whose work is closest to the remaining average.
+
+    Among x within `_NEAR_TARGET` of the best, prefer cuts that split no run, then
+    a single piece (x == 0 or x == L), then the smallest x.
+    """
+    target = (prefix[hi] - prefix[lo]) / ranks_left
+    x = np.arange(L + 1)
+    got = (prefix[lo + x] - prefix[lo]) + (prefix[hi] - prefix[hi - L + x])
+    miss = np.abs(got - target)
+    near = miss <= miss.min() + _NEAR_TARGET * max(target, 1.0)
+    dirty = (~clean[lo + x]).astype(np.int64) + (~clean[hi - L + x]).astype(np.int64)
+    dirty[0] = int(not clean[hi - L])
+    dirty[L] = int(not clean[lo + L])
+    cost = np.where(near, dirty * 4 + np.where((x == 0) | (x == L), 0, 1), np.iinfo(np.int64).max)
+    return int(np.argmin(cost))
+
+
+def _spread(assignment: np.ndarray, work: np.ndarray) -> float:
+    """Largest relative deviation of a rank's work from the mean (0 for no work)."""
+    per_rank = work[assignment].sum(axis=1)
+    mean = per_rank.mean()
+    return 0.0 if mean == 0 else float(np.abs(per_rank - mean).max() / mean)

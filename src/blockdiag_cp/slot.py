@@ -1,0 +1,167 @@
+"""The step slot: the one piece of mutable process state, holding the active step.
+
+Note [Why a process-wide slot, not a ContextVar]
+------------------------------------------------
+`cp_blockdiag_sdpa` is a drop-in for SDPA, so it finds the step through a lookup,
+not an argument. The lookup must work from any thread: activation checkpointing
+re-runs a layer's forward inside backward, and the autograd engine may run that on
+its own worker thread, where a `ContextVar` set by the training thread is invisible.
+So the active step lives in one `StepSlot` per process (`STEP_SLOT`), guarded by a
+lock. It is the only module-level object that changes, and it holds:
+
+- the active `StepState` while ``train_ctx()`` is entered (dropped when it exits);
+- `EndedStep`: a tensor-free note of the last step, kept only while a checkpointed
+  layer of that step may still be recomputed late (Note [Late recompute]);
+- one cached `StepState` for a packed row attended outside a step (the transformers
+  integration plans once per forward, not once per layer); it is dropped as soon as
+  the tensor it was derived from is freed.
+
+Note [Late recompute]
+---------------------
+Activation checkpointing re-runs a layer's forward during ``loss.backward()``. If
+that happens after ``train_ctx()`` exited, the recompute would find no step and
+silently compute unsharded attention: wrong gradients. Every attention call inside a
+step passes its output through a marker whose backward tells the slot "backward
+reached this step". A step that ends before any backward reached it leaves an
+`EndedStep` (its shard length and the (heads, head_dim, dtype) of its calls); an
+attention call *during backward*, outside any step, that matches it is that step's
+late recompute and raises. Once backward reaches the step's markers, or the next
+step starts, the note is dropped, so later ordinary checkpointed calls are untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Hashable, Iterator, Optional, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from .state import StepState
+
+#: (heads, head_dim, dtype) of an attention call: what a late recompute must match
+CallSignature = tuple[int, int, torch.dtype]
+
+
+@dataclass(frozen=True)
+class EndedStep:
+    """A step that ended before backward reached its attention (Note [Late recompute]). No tensors."""
+
+    step_id: int
+    local_len: int
+    calls: frozenset[CallSignature]
+
+    def matches(self, local_len: int, call: CallSignature) -> bool:
+        return local_len == self.local_len and call in self.calls
+
+
+@dataclass
+class _ActiveStep:
+    """Book-keeping of the active step (mutated only under the slot's lock)."""
+
+    state: "StepState"
+    step_id: int
+    depth: int = 1
+    backward_seen: bool = False
+    calls: set[CallSignature] = field(default_factory=set)
+
+
+class StepSlot:
+    """Holds the active `StepState` for the whole process (Note [Why a process-wide slot])."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._active: Optional[_ActiveStep] = None
+        self._ended: Optional[EndedStep] = None
+        self._next_id = 0
+        self._implicit: Optional[tuple[tuple, Optional["StepState"]]] = None
+
+    def current(self) -> Optional["StepState"]:
+        with self._lock:
+            return None if self._active is None else self._active.state
+
+    @contextlib.contextmanager
+    def activate(self, state: "StepState") -> Iterator["StepState"]:
+        """Make `state` the active step for the duration of the block (re-entrant for the same state)."""
+        with self._lock:
+            if self._active is not None and self._active.state is not state:
+                raise RuntimeError(
+                    "another block-diagonal CP step is already active; exit its train_ctx() "
+                    "before entering the next one"
+                )
+            if self._active is None:
+                self._next_id += 1
+                self._active, self._ended = _ActiveStep(state, self._next_id), None
+            else:
+                self._active.depth += 1
+        try:
+            yield state
+        finally:
+            with self._lock:
+                self._release()
+
+    def _release(self) -> None:
+        active = self._active
+        active.depth -= 1
+        if active.depth:
+            return
+        self._active = None  # the step's tensors go with the state
+        if active.calls and not active.backward_seen:
+            self._ended = EndedStep(active.step_id, active.state.local_len, frozenset(active.calls))
+
+    def note_call(self, call: CallSignature) -> int:
+        """Record an attention call of the active step; return the step's id for its marker."""
+        with self._lock:
+            self._active.calls.add(call)
+            return self._active.step_id
+
+    def note_backward(self, step_id: int) -> None:
+        """Backward reached an attention call of step `step_id` (Note [Late recompute])."""
+        with self._lock:
+            if self._active is not None and self._active.step_id == step_id:
+                self._active.backward_seen = True
+            if self._ended is not None and self._ended.step_id == step_id:
+                self._ended = None
+
+    def ended_step(self) -> Optional[EndedStep]:
+        """The last step, if it ended before backward reached it (else None)."""
+        with self._lock:
+            return self._ended
+
+    def implicit_state(
+        self, sources: Sequence[Optional[torch.Tensor]], tag: Hashable, build: Callable[[], Optional["StepState"]]
+    ) -> Optional["StepState"]:
+        """The state cached for `sources` (the same tensor objects, unmodified) and `tag`, else `build()`.
+
+        Used outside a step, where every layer of one forward passes the same
+        ``position_ids`` / ``cu_seq_lens_q`` / mask tensors: the first layer plans
+        (host work), the others reuse its result with none. The entry is dropped
+        when a source tensor is freed, so a new tensor can never hit it.
+        """
+        key = (tag, *((id(t), t._version) if t is not None else None for t in sources))
+        with self._lock:
+            if self._implicit is not None and self._implicit[0] == key:
+                return self._implicit[1]
+        state = build()
+        with self._lock:
+            self._implicit = (key, state)
+        for t in sources:
+            if t is not None:
+                weakref.finalize(t, self._drop_implicit, key)
+        return state
+
+    def _drop_implicit(self, key: tuple) -> None:
+        with self._lock:
+            if self._implicit is not None and self._implicit[0] == key:
+                self._implicit = None
+
+
+STEP_SLOT = StepSlot()
+
+
+def current_step() -> Optional["StepState"]:
+    """The active step's state, or None outside ``train_ctx()``."""
+    return STEP_SLOT.current()
