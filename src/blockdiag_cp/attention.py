@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import math
 import warnings
+import zlib
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from .agree import agree_across_ranks
 from .slot import STEP_SLOT, CallSignature
 from .state import StepState
 
@@ -49,12 +51,15 @@ def cp_blockdiag_sdpa(
     """
     state = STEP_SLOT.current()
     if state is None:
-        refuse_late_recompute(query)
+        refuse_late_recompute(query, key, value)
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
             scale=scale, enable_gqa=enable_gqa,
         )
-    step_id = STEP_SLOT.note_call(_signature(query))
+    signature = call_signature(query, key, value)
+    if STEP_SLOT.needs_agreement(signature):
+        _agree_on_call(state, signature, call_problem(state, query, key, value, enable_gqa))
+    step_id = STEP_SLOT.note_call(signature)
     if query.requires_grad or key.requires_grad or value.requires_grad:
         query, key, value = _MarkStepBackward.apply(step_id, query, key, value)
     return attend_in_step(state, query, key, value, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
@@ -70,16 +75,41 @@ def attend_in_step(
     scale: Optional[float] = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """Per-document causal attention of this rank's ``[1, H, L, D]`` shards under `state`."""
-    _check_step_shapes(state, query, key, value, enable_gqa)
+    """Per-document causal attention of this rank's ``[1, H, L, D]`` shards under `state`.
+
+    Legal inputs that a fused kernel would get wrong are normalised first (host-side
+    decisions, no synchronisation): a last dimension that is not unit-stride is copied
+    contiguous, and a scale <= 0 is folded into the queries.
+    """
+    problem = call_problem(state, query, key, value, enable_gqa)
+    if problem is not None:
+        raise problem
     kernel = _kernel_for(state, query, float(dropout_p))
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    if scale <= 0.0:  # softmax((s q) k^T) with scale 1: the fused CPU kernel mishandles s <= 0
+        query, scale = query * scale, 1.0
     out_HLD = state.exchange.attend(query[0], key[0], value[0], kernel, scale, float(dropout_p))
     return out_HLD.unsqueeze(0)
 
 
-def _signature(query: torch.Tensor) -> CallSignature:
-    return (query.shape[1], query.shape[-1], query.dtype)
+def call_signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> CallSignature:
+    """What every rank's call must share: the shapes and dtypes of q, k and v."""
+    return (tuple(query.shape), tuple(key.shape), tuple(value.shape), query.dtype, key.dtype, value.dtype)
+
+
+def _agree_on_call(state: StepState, signature: CallSignature, problem: Optional[ValueError]) -> None:
+    """First call of a signature in this step: every rank checks it passes the same (Note [Ranks agree])."""
+    if state.group is not None and state.world > 1 and state.config.check_ranks_agree:
+        shapes = [d for shape in signature[:3] for d in (*shape, *(-1,) * (4 - len(shape)))[:4]]
+        dtypes = [zlib.crc32(str(dtype).encode()) for dtype in signature[3:]]
+        agree_across_ranks(
+            state.group, state.device, [len(s) for s in signature[:3]] + shapes + dtypes, problem,
+            "attention call (query/key/value shapes and dtypes)", "ranks of q/k/v, q shape, k shape, v shape, dtype crcs",
+        )
+    if problem is not None:
+        raise problem
+    STEP_SLOT.mark_agreed(signature)
 
 
 class _MarkStepBackward(torch.autograd.Function):
@@ -101,46 +131,47 @@ class _MarkStepBackward(torch.autograd.Function):
         return None, dq, dk, dv
 
 
-def refuse_late_recompute(query: torch.Tensor) -> None:
+def refuse_late_recompute(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
     """Raise if this call, outside any step, is a checkpointed CP layer recomputed in
     backward after its step's ``train_ctx()`` exited (Note [Late recompute] in slot.py).
 
     Such a recompute would silently compute unsharded, unmasked attention.
     """
     ended = STEP_SLOT.ended_step()
-    if ended is None or query.dim() != 4 or torch._C._current_graph_task_id() == -1:
+    if ended is None or torch._C._current_graph_task_id() == -1:
         return
-    if ended.matches(query.shape[-2], _signature(query)):
+    if ended.matches(call_signature(query, key, value)):
         raise RuntimeError(
             "attention was recomputed in backward (activation checkpointing) after the "
             "block-diagonal CP step ended; call loss.backward() inside `with train_ctx():`"
         )
 
 
-def _check_step_shapes(state: StepState, query, key, value, enable_gqa: bool) -> None:
-    """`ValueError` unless q/k/v are this rank's ``[1, H, L, D]`` shards."""
+def call_problem(state: StepState, query, key, value, enable_gqa: bool) -> Optional[ValueError]:
+    """The `ValueError` this call deserves (None if q/k/v are this rank's ``[1, H, L, D]`` shards)."""
     L = state.local_len
     if query.device.type != state.device.type or (
         query.device.index is not None and state.device.index is not None and query.device.index != state.device.index
     ):
-        raise ValueError(f"query is on {query.device} but the step was planned on {state.device} (the batch's device)")
+        return ValueError(f"query is on {query.device} but the step was planned on {state.device} (the batch's device)")
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() != 4 or t.shape[0] != 1 or t.shape[2] != L:
-            raise ValueError(
+            return ValueError(
                 f"inside a block-diagonal CP step, {name} must be [1, heads, {L}, head_dim] "
                 f"(this rank's shard of length {L}), got {tuple(t.shape)}"
             )
     if key.shape != value.shape:
-        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same shape")
+        return ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same shape")
     if query.shape[-1] != key.shape[-1]:
-        raise ValueError(f"query head_dim {query.shape[-1]} != key head_dim {key.shape[-1]}")
+        return ValueError(f"query head_dim {query.shape[-1]} != key head_dim {key.shape[-1]}")
     H, Hk = query.shape[1], key.shape[1]
     if H % Hk:
-        raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({Hk})")
+        return ValueError(f"query heads ({H}) must be a multiple of key/value heads ({Hk})")
     if H != Hk and not enable_gqa:
-        raise ValueError(f"query has {H} heads and key/value {Hk}: pass enable_gqa=True for grouped-query attention")
+        return ValueError(f"query has {H} heads and key/value {Hk}: pass enable_gqa=True for grouped-query attention")
     if not (query.dtype == key.dtype == value.dtype):
-        raise ValueError(f"query, key and value dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}")
+        return ValueError(f"query, key and value dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}")
+    return None
 
 
 def _kernel_for(state: StepState, query: torch.Tensor, dropout_p: float):

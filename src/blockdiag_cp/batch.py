@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .config import CPConfig
 from .doc_ids import resolve_doc_ids
 from .errors import CPTypeError
-from .exchange.collectives import all_gather_flat
+from .agree import agree_across_ranks
 from .layout import ShardPlan
 from .slot import STEP_SLOT
 from .state import StepState, build_step_state
@@ -168,6 +168,13 @@ def _check_batch(batch: Mapping[str, Any]) -> tuple[str, int, torch.device]:
         raise CPTypeError(f"batch[{key!r}] must be a tensor shaped {shape}, got {type(primary).__name__}")
     if primary.dim() != (3 if has_embeds else 2):
         raise ValueError(f"batch[{key!r}] must be a tensor shaped {shape}, got {tuple(primary.shape)}")
+    for name, t in batch.items():
+        if isinstance(t, torch.Tensor) and t.device.type == "meta":
+            raise ValueError(
+                f"batch[{name!r}] is on the meta device (shapes only, no values); CP needs the real tensor "
+                "(materialize the model or embeddings on cpu/cuda, e.g. model.to_empty(...) and load the "
+                "weights, before building the CP batch)"
+            )
     B, S = primary.shape[:2]
     if B != 1:
         raise ValueError(
@@ -198,29 +205,15 @@ def _mesh_device(cp_mesh) -> torch.device:
 def _check_ranks_agree(
     doc_ids_1S: Optional[torch.Tensor], config: CPConfig, group, device: torch.device, problem: Optional[ValueError]
 ) -> None:
-    """One small all-gather: every rank must hold a valid batch, and the same row and config.
-
-    A rank whose batch was rejected still takes part, so every rank raises instead of
-    some waiting forever in the step's first collective.
-    """
-    if doc_ids_1S is None:
-        fingerprint = [1, 0, 0, 0]
-    else:
+    """Every rank must hold a valid batch, and the same row and config (Note [Ranks agree])."""
+    fingerprint = [0, 0, 0]
+    if doc_ids_1S is not None:
         ids = doc_ids_1S[0].to(torch.long).cpu().numpy()
-        fingerprint = [0, ids.size, zlib.crc32(ids.tobytes()), zlib.crc32(repr(config).encode())]
-    mine = torch.tensor(fingerprint, dtype=torch.long, device=device)
-    world = dist.get_world_size(group)
-    gathered = mine.new_empty(world * mine.numel())
-    all_gather_flat(gathered, mine, group)
-    rows = gathered.reshape(world, -1).cpu().tolist()
-    rejected = [r for r, row in enumerate(rows) if row[0]]
-    if rejected and problem is None:
-        raise ValueError(f"CP rank(s) {rejected} rejected their batch (see the error on those ranks)")
-    if not rejected and any(row != rows[0] for row in rows):
-        raise ValueError(
-            "ranks of one CP group disagree on the packed row (sequence length, document ids or CPConfig); "
-            f"each CP rank must get the same batch. [invalid, S, id crc, config crc] per rank: {rows}"
-        )
+        fingerprint = [ids.size, zlib.crc32(ids.tobytes()), zlib.crc32(repr(config).encode())]
+    agree_across_ranks(
+        group, device, fingerprint, problem, "batch (the packed row: sequence length, document ids or CPConfig)",
+        "S, id crc, config crc",
+    )
 
 
 def _shard_batch(batch: dict[str, Any], plan: ShardPlan, rank: int, padding_token_id: int) -> None:

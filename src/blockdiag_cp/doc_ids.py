@@ -157,6 +157,8 @@ def validate_doc_ids(doc_ids: Any, seq_len: int, batch_size: int, *, source: str
     """
     if not isinstance(doc_ids, torch.Tensor):
         raise CPTypeError(f"{source}: document ids must be a tensor, got {type(doc_ids).__name__}")
+    if doc_ids.device.type == "meta":
+        raise ValueError(f"{source}: document ids are on the meta device (shapes only, no values)")
     if doc_ids.is_floating_point() or doc_ids.is_complex():
         raise ValueError(f"{source}: document ids must be integers, got dtype {doc_ids.dtype}")
     if tuple(doc_ids.shape) != (batch_size, seq_len):

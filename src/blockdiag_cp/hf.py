@@ -125,7 +125,7 @@ def blockdiag_cp_attention(
         _refuse_unsupported(module, kwargs, lambda: state.geometry.longest_document)
         out = cp_blockdiag_sdpa(query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
-    refuse_late_recompute(query)
+    refuse_late_recompute(query, key, value)
     local = _packed_row_state(query, key, attention_mask, kwargs) if getattr(module, "is_causal", True) else None
     if local is not None:
         _refuse_unsupported(module, kwargs, lambda: local.geometry.longest_document)

@@ -23,9 +23,9 @@ that happens after ``train_ctx()`` exited, the recompute would find no step and
 silently compute unsharded attention: wrong gradients. Every attention call inside a
 step passes its output through a marker whose backward tells the slot "backward
 reached this step". A step that ends before any backward reached it leaves an
-`EndedStep` (its shard length and the (heads, head_dim, dtype) of its calls); an
-attention call *during backward*, outside any step, that matches it is that step's
-late recompute and raises. Once backward reaches the step's markers, or the next
+`EndedStep` (the shapes and dtypes of its calls, no tensors); an attention call
+*during backward*, outside any step, that matches one of them is that step's late
+recompute and raises. Once backward reaches the step's markers, or the next
 step starts, the note is dropped, so later ordinary checkpointed calls are untouched.
 """
 
@@ -42,8 +42,8 @@ import torch
 if TYPE_CHECKING:
     from .state import StepState
 
-#: (heads, head_dim, dtype) of an attention call: what a late recompute must match
-CallSignature = tuple[int, int, torch.dtype]
+#: the shapes and dtypes of an attention call's q, k and v (see `attention.call_signature`)
+CallSignature = tuple
 
 
 @dataclass(frozen=True)
@@ -51,11 +51,10 @@ class EndedStep:
     """A step that ended before backward reached its attention (Note [Late recompute]). No tensors."""
 
     step_id: int
-    local_len: int
     calls: frozenset[CallSignature]
 
-    def matches(self, local_len: int, call: CallSignature) -> bool:
-        return local_len == self.local_len and call in self.calls
+    def matches(self, call: CallSignature) -> bool:
+        return call in self.calls
 
 
 @dataclass
@@ -67,6 +66,7 @@ class _ActiveStep:
     depth: int = 1
     backward_seen: bool = False
     calls: set[CallSignature] = field(default_factory=set)
+    agreed: set[CallSignature] = field(default_factory=set)
 
 
 class StepSlot:
@@ -110,13 +110,22 @@ class StepSlot:
             return
         self._active = None  # the step's tensors go with the state
         if active.calls and not active.backward_seen:
-            self._ended = EndedStep(active.step_id, active.state.local_len, frozenset(active.calls))
+            self._ended = EndedStep(active.step_id, frozenset(active.calls))
 
     def note_call(self, call: CallSignature) -> int:
         """Record an attention call of the active step; return the step's id for its marker."""
         with self._lock:
             self._active.calls.add(call)
             return self._active.step_id
+
+    def needs_agreement(self, call: CallSignature) -> bool:
+        """True for the first call of this signature in the active step (Note [Ranks agree] in agree.py)."""
+        with self._lock:
+            return call not in self._active.agreed
+
+    def mark_agreed(self, call: CallSignature) -> None:
+        with self._lock:
+            self._active.agreed.add(call)
 
     def note_backward(self, step_id: int) -> None:
         """Backward reached an attention call of step `step_id` (Note [Late recompute])."""

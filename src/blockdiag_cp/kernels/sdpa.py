@@ -83,7 +83,8 @@ class CudaFusedOps:
 
 
 def fused_ops_for(device: torch.device):
-    if device.type == "cpu":
+    """The fused ops for `device`; ``meta`` (shape-only dry runs) uses the CPU ops' meta kernels."""
+    if device.type in ("cpu", "meta"):
         return CpuFusedOps()
     if device.type == "cuda":
         return CudaFusedOps()

@@ -68,13 +68,15 @@ def doc_lengths(spec: str, seq_len: int, seed: int = 0) -> tuple[int, ...]:
             out.append(n)
             rest -= n
         return tuple(out)
-    kind, _, count = spec.partition(":")
-    if kind in ("uniform", "powerlaw") and count.isdigit() and int(count) > 0:
+    kind, sep, count = spec.partition(":")
+    if sep:
+        if kind not in ("uniform", "powerlaw") or not count.isdigit():
+            raise ValueError(f"--docs {spec!r}: use 'a,b,c', 'one', 'mixed', 'uniform:N' or 'powerlaw:N'")
         n = int(count)
+        if not 0 < n <= seq_len:
+            raise ValueError(f"--docs {spec!r}: N must be between 1 and --seq-len {seq_len} (one token each at least)")
         weights = [1.0] * n if kind == "uniform" else [rng.paretovariate(1.2) for _ in range(n)]
-        lengths = [max(1, int(seq_len * w / sum(weights))) for w in weights]
-        lengths[-1] += seq_len - sum(lengths)
-        return tuple(lengths)
+        return _split_tokens(seq_len, weights)
     try:
         lengths = tuple(int(v) for v in spec.split(","))
     except ValueError:
@@ -82,6 +84,15 @@ def doc_lengths(spec: str, seq_len: int, seed: int = 0) -> tuple[int, ...]:
     if any(n <= 0 for n in lengths) or sum(lengths) > seq_len:
         raise ValueError(f"--docs {spec!r}: lengths must be positive and sum to at most --seq-len {seq_len}")
     return lengths + ((sum(lengths) - seq_len,) if sum(lengths) < seq_len else ())
+
+
+def _split_tokens(seq_len: int, weights: list[float]) -> tuple[int, ...]:
+    """Positive lengths proportional to `weights` that sum to exactly `seq_len` (len(weights) <= seq_len)."""
+    spare = seq_len - len(weights)
+    lengths = [1 + int(spare * w / sum(weights)) for w in weights]
+    for i in range(seq_len - sum(lengths)):  # the rounding remainder, one token each
+        lengths[i % len(lengths)] += 1
+    return tuple(lengths)
 
 
 def _rss_bytes() -> int:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from typing import Sequence
+from typing import Optional, Sequence
 
 from ..config import KERNELS, KV_EXCHANGES, LAYOUTS
+
+GPU_ONLY = ("flash", "te")
 
 
 def _segments(text: str) -> tuple[int, ...]:
@@ -71,7 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    problem = settings_problem(args)
+    if problem is not None:
+        parser.error(problem)  # one line on stderr, exit code 2, before anything runs
     if args.command == "verify":
         from .verify import run_verify
 
@@ -83,6 +90,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .bench import run_bench
 
     return run_bench(args)
+
+
+def settings_problem(args: argparse.Namespace) -> Optional[str]:
+    """Why these settings cannot run (checked before any work starts), or None.
+
+    Creates the folder that ``--out`` writes into, so a finished run never loses its result.
+    """
+    if getattr(args, "heads", 1) % getattr(args, "kv_heads", 1):
+        return f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}"
+    if args.kernel in GPU_ONLY and not _launched_on_gpus(args):
+        return f"--kernel {args.kernel} needs CUDA GPUs (launch verify with torchrun on GPUs); use auto, sdpa or dense"
+    if args.command == "bench":
+        from .bench import doc_lengths
+
+        try:
+            doc_lengths(args.docs, args.seq_len)
+        except ValueError as exc:
+            return str(exc)
+    out = getattr(args, "out", None)
+    if out is not None:
+        folder = os.path.dirname(os.path.abspath(out))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as exc:
+            return f"--out {out!r}: cannot create the folder {folder!r} ({exc.strerror})"
+        if not os.access(folder, os.W_OK):
+            return f"--out {out!r}: the folder {folder!r} is not writable"
+    return None
+
+
+def _launched_on_gpus(args: argparse.Namespace) -> bool:
+    """verify under torchrun on a CUDA machine runs on the GPUs; everything else spawns CPU ranks."""
+    import torch
+
+    return args.command == "verify" and int(os.environ.get("WORLD_SIZE", "1")) > 1 and torch.cuda.is_available()
 
 
 if __name__ == "__main__":  # pragma: no cover
