@@ -15,7 +15,8 @@ by a loopback of the right shape: this measures the host, not the network):
   and backward, of a 32-layer model shape (32 query and 8 K/V heads of 128) with
   the tensors on the ``meta`` device: every Python step, index and dispatch of the
   layer path runs, the math and memory traffic do not (what a GPU's host pays to
-  launch a layer). Per layer, on the busiest rank.
+  launch a layer; an upper bound, since some meta kernels are Python reference
+  implementations slower than a CUDA launch). Per layer, on the busiest rank.
 - the layer's CPU attention time: the same on that rank with real tensors on the CPU
   (8 query and 2 K/V heads of 64 at 128k, one head of 64 at 1M, so that it runs in
   minutes: far less work than a 32 x 128 layer, so the printed ratio overestimates
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -102,7 +104,8 @@ def run_case(seq_len: int, docs: int, layout: str, args) -> dict:
     busiest = int(torch.argmax(work))
     state = plans[busiest][1]
     loopback(state)
-    meta = build_step_state(ids[0], CP, busiest, None, state.config, torch.device("meta"))
+    same_kernel = replace(state.config, kernel=state.kernel.name)  # "auto" would pick dense for meta
+    meta = build_step_state(ids[0], CP, busiest, None, same_kernel, torch.device("meta"))
     loopback(meta)
     layer_seconds(meta, 32, 8, 128, 2, device="meta")  # warm-up
     host = statistics.median(layer_seconds(meta, 32, 8, 128, LAYERS, device="meta") for _ in range(3))

@@ -7,8 +7,10 @@ Note [Who needs which keys]
 ---------------------------
 Position ``g`` of document ``d`` is needed by rank ``j`` iff ``j`` owns a real query
 of ``d`` at a position ``>= g``. With ``last[j, d]`` = the last position of ``d``
-that ``j`` owns, ``need[j, g] = g <= last[j, doc(g)]``: one scatter-max and one
-gather, vectorized over all ranks and positions.
+that ``j`` owns (one scatter-max over the row), ``need[j, g] = g <= last[j, doc(g)]``,
+so rank ``j`` needs one prefix of each document: the ranges ``[start(d), last[j, d]]``.
+Planning works with those ranges and evaluates ``need`` only at the positions it asks
+about (`need_at`), never materializing the ``[W, S]`` matrix on the planning path.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from .doc_ids import doc_starts, run_starts
 from .layout.plan import ShardPlan, pad_doc_ids
+from .ranges import concat_ranges
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,10 @@ class StepGeometry:
         doc_start: ``[S_pad]`` first position of each position's document.
         owner: ``[S_pad]`` owning rank.
         local_index: ``[S_pad]`` row in the owner's local order.
-        need_WS: ``[W, S_pad]`` bool, Note [Who needs which keys].
+        run: ``[S_pad]`` index of each position's run (a document or a padding run).
+        run_start: ``[runs]`` first position of each run.
+        last_by_run: ``[W, runs]`` the last position of each run where rank ``j`` owns
+            a real query, -1 where it owns none (Note [Who needs which keys]).
     """
 
     plan: ShardPlan
@@ -59,17 +65,32 @@ class StepGeometry:
     doc_start: torch.Tensor
     owner: torch.Tensor
     local_index: torch.Tensor
-    need_WS: torch.Tensor
+    run: torch.Tensor
+    run_start: torch.Tensor
+    last_by_run: torch.Tensor
 
     @staticmethod
     def build(plan: ShardPlan, doc_ids_S: torch.Tensor) -> "StepGeometry":
         ids = pad_doc_ids(doc_ids_S.reshape(-1).cpu().long(), plan.padded_len)
-        owner = plan.owner()
-        return StepGeometry(plan, ids, doc_starts(ids), owner, plan.local_index(), _need(ids, owner, plan.world))
+        starts = run_starts(ids)
+        run = torch.cumsum(starts.long(), dim=0) - 1
+        run_start = torch.nonzero(starts).flatten()
+        last = _last_query_by_run(plan.positions_WL, ids, run, run_start.numel())
+        return StepGeometry(plan, ids, doc_starts(ids), plan.owner(), plan.local_index(), run, run_start, last)
 
     @property
     def world(self) -> int:
         return self.plan.world
+
+    def need_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """``[W, n]`` bool: which ranks' queries see the keys at `positions` ``[n]``."""
+        last = self.last_by_run.index_select(1, self.run.index_select(0, positions))
+        return (positions.unsqueeze(0) <= last) & (self.doc_ids.index_select(0, positions) != 0).unsqueeze(0)
+
+    @functools.cached_property
+    def need_WS(self) -> torch.Tensor:
+        """``[W, S_pad]`` bool, the whole need matrix (for tools and tests; planning uses `need_at`)."""
+        return self.need_at(torch.arange(self.plan.padded_len))
 
     def pieces(self, rank: int) -> Pieces:
         """The query pieces of `rank`, in local order."""
@@ -87,14 +108,15 @@ class StepGeometry:
     @functools.cached_property
     def longest_document(self) -> int:
         """Tokens in the longest document (0 when the row is all padding)."""
-        starts = torch.nonzero(run_starts(self.doc_ids)).flatten()
-        lengths = torch.diff(starts, append=torch.tensor([self.doc_ids.numel()]))
-        real = self.doc_ids[starts] != 0
+        lengths = torch.diff(self.run_start, append=torch.tensor([self.doc_ids.numel()]))
+        real = self.doc_ids[self.run_start] != 0
         return int(lengths[real].max()) if bool(real.any()) else 0
 
     def needed_positions(self, rank: int) -> torch.Tensor:
         """Sorted positions whose keys `rank`'s queries see (owned ones included)."""
-        return torch.nonzero(self.need_WS[rank]).flatten()
+        last = self.last_by_run[rank]
+        seen = last >= 0
+        return concat_ranges(self.run_start[seen], last[seen] - self.run_start[seen] + 1)
 
     @functools.cached_property
     def gathered_row(self) -> torch.Tensor:
@@ -103,21 +125,32 @@ class StepGeometry:
 
     @functools.cached_property
     def transfer(self) -> torch.Tensor:
-        """``[W (dst), W (src)]`` int64: rows ``dst`` needs that ``src`` owns (0 on the diagonal)."""
-        W = self.world
-        flat = self.owner.unsqueeze(0) + W * torch.arange(W).unsqueeze(1)
-        counts = torch.bincount(flat[self.need_WS], minlength=W * W).reshape(W, W)
-        return counts.fill_diagonal_(0)
+        """``[W (dst), W (src)]`` int64: rows ``dst`` needs that ``src`` owns (0 on the diagonal).
+
+        Counted from the ranges: src's sorted positions inside ``[start(d), last[dst, d]]``.
+        """
+        seen = self.last_by_run >= 0  # [W, runs]
+        lo = self.run_start.expand_as(self.last_by_run)[seen]
+        hi = self.last_by_run[seen] + 1
+        dst = torch.arange(self.world).unsqueeze(1).expand_as(self.last_by_run)[seen]
+        counts = []
+        for positions in self.plan.positions_WL:
+            inside = torch.searchsorted(positions, hi) - torch.searchsorted(positions, lo)
+            counts.append(torch.zeros(self.world, dtype=torch.long).index_add_(0, dst, inside))
+        return torch.stack(counts, dim=1).fill_diagonal_(0)
 
 
-def _need(ids: torch.Tensor, owner: torch.Tensor, world: int) -> torch.Tensor:
-    """``[W, S_pad]`` bool need matrix (Note [Who needs which keys])."""
-    run = torch.cumsum(run_starts(ids).long(), dim=0) - 1
-    n_runs = int(run[-1]) + 1
-    pos = torch.arange(ids.numel())
-    last = torch.full((world * n_runs,), -1, dtype=torch.long)
-    real = ids != 0
-    slot = owner * n_runs + run
-    last.scatter_reduce_(0, slot[real], pos[real], reduce="amax")
-    last_by_run = last.reshape(world, n_runs)  # [W, runs of the row]
-    return (pos.unsqueeze(0) <= last_by_run[:, run]) & real.unsqueeze(0)
+def _last_query_by_run(positions_WL: torch.Tensor, ids: torch.Tensor, run: torch.Tensor, runs: int) -> torch.Tensor:
+    """``[W, runs]``: the last position of each run holding a real query of rank j (-1: none).
+
+    Each rank's positions ascend, so its last position in a run is where the run changes.
+    """
+    flat = positions_WL.reshape(-1)
+    run_WL = run.index_select(0, flat).reshape(positions_WL.shape)
+    last_in_run = torch.ones_like(run_WL, dtype=torch.bool)
+    last_in_run[:, :-1] = run_WL[:, 1:] != run_WL[:, :-1]
+    keep = last_in_run & (ids.index_select(0, flat) != 0).reshape(positions_WL.shape)
+    rank = torch.arange(positions_WL.shape[0]).unsqueeze(1).expand_as(positions_WL)
+    last = torch.full((positions_WL.shape[0], runs), -1, dtype=torch.long)
+    last[rank[keep], run_WL[keep]] = positions_WL[keep]
+    return last

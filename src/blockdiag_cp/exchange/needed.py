@@ -35,26 +35,21 @@ class NeededOnlyExchange(BufferExchange):
     """Shared routing of `a2a` and `halo` (Note [Needed-only routing])."""
 
     def __init__(self, setup: ExchangeSetup) -> None:
-        geometry, rank, L = setup.geometry, setup.rank, setup.local_len
-        owner, local_index = geometry.owner, geometry.local_index
+        geometry, rank, L, W = setup.geometry, setup.rank, setup.local_len, setup.world
         transfer = geometry.transfer  # [dst, src]
         self.group = setup.group
         self.send_splits = transfer[:, rank].tolist()
         self.recv_splits = transfer[rank, :].tolist()
         self.any_transfer = bool(transfer.any())
-        # rows this rank sends, grouped by destination, ascending positions
-        send = [torch.nonzero(geometry.need_WS[dst] & (owner == rank)).flatten() for dst in range(setup.world)]
-        send[rank] = send[rank][:0]
-        self.send_rows = local_index[torch.cat(send)].to(setup.device)
-        # buffer = cat([local, received])[assemble]
+        # rows this rank sends, grouped by destination, ascending positions (local rows)
+        needed_by_WL = geometry.need_at(geometry.plan.positions_WL[rank])
+        needed_by_WL[rank] = False
+        self.send_rows = torch.cat([torch.nonzero(row).flatten() for row in needed_by_WL]).to(setup.device)
+        # buffer = cat([local, received])[assemble]: received rows come grouped by source rank
         needed = geometry.needed_positions(rank)
-        src = owner[needed]
+        src = geometry.owner[needed]
         recv_offset = torch.cumsum(torch.tensor([0] + self.recv_splits[:-1]), dim=0)
-        order_in_src = torch.zeros_like(needed)
-        for j in range(setup.world):
-            at_j = src == j
-            order_in_src[at_j] = torch.arange(int(at_j.sum()))
-        assemble = torch.where(src == rank, local_index[needed], L + recv_offset[src] + order_in_src)
+        assemble = torch.where(src == rank, geometry.local_index[needed], L + recv_offset[src] + _rank_within(src, W))
         self.assemble = assemble.to(setup.device)
         self.assemble_runs = _runs(assemble, L)
         super().__init__(setup, needed)
@@ -79,6 +74,15 @@ class NeededOnlyExchange(BufferExchange):
             # still runs the transport's collective, matched with the ranks that receive
             parts.append(received[:0])
         return parts[0] if len(parts) == 1 else torch.cat(parts)  # contiguous layouts: a view or one copy
+
+
+def _rank_within(group_of: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[n]``: each element's index among the elements of its group, in order."""
+    counts = torch.bincount(group_of, minlength=groups)
+    order = torch.argsort(group_of, stable=True)
+    index = torch.empty_like(group_of)
+    index[order] = torch.arange(group_of.numel()) - (torch.cumsum(counts, 0) - counts)[group_of[order]]
+    return index
 
 
 def _runs(assemble: torch.Tensor, local_len: int, max_runs: int = 8) -> Optional[list[tuple[int, int, int]]]:

@@ -194,7 +194,7 @@ def _travel_rows(setup: ExchangeSetup) -> list[list[torch.Tensor]]:
     positions = geometry.plan.positions_WL
     travel = []
     for o in range(W):
-        used_by = geometry.need_WS[:, positions[o]]  # [W, L]: rank j needs row i of o
+        used_by = geometry.need_at(positions[o])  # [W, L]: rank j needs row i of o
         rows = [torch.arange(positions.shape[1])]
         downstream = torch.zeros(positions.shape[1], dtype=torch.bool)
         for t in range(W - 1, 0, -1):
@@ -215,10 +215,10 @@ def _route_hop(setup: ExchangeSetup, travel: list[list[torch.Tensor]], t: int) -
         onward = travel[owner][t + 1]
         send_index = torch.searchsorted(held, onward).to(device) if onward.numel() else None
         recv_rows = travel[(rank - 1 - t) % W][t + 1].numel()
-    used = torch.nonzero(setup.geometry.need_WS[rank, setup.geometry.plan.positions_WL[owner]]).flatten()
+    used = torch.nonzero(setup.geometry.need_at(setup.geometry.plan.positions_WL[owner])[rank]).flatten()
     grad_send = torch.searchsorted(held, used).to(device) if (t > 0 and used.numel()) else None
     holder = (rank + t) % W
-    mine_used = torch.nonzero(setup.geometry.need_WS[holder, setup.geometry.plan.positions_WL[rank]]).flatten()
+    mine_used = torch.nonzero(setup.geometry.need_at(setup.geometry.plan.positions_WL[rank])[holder]).flatten()
     grad_recv = mine_used.to(device) if (t > 0 and mine_used.numel()) else None
     return Hop(owner, items, calls, send_index, recv_rows or 0, grad_send, grad_recv)
 

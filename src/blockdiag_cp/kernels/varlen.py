@@ -28,6 +28,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import ensure
+from ..ranges import concat_ranges
 from .base import AttentionKernel, ItemTable
 
 
@@ -42,14 +43,6 @@ class VarlenCall:
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
-
-
-def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Concatenated ``arange(start, start + length)`` for every pair (int64)."""
-    total = int(lengths.sum())
-    item = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    first = torch.cumsum(lengths, dim=0) - lengths
-    return starts[item] + torch.arange(total) - first[item]
 
 
 def _cumulative(lengths: torch.Tensor) -> torch.Tensor:
@@ -82,8 +75,8 @@ def varlen_calls(items: ItemTable, device: torch.device) -> tuple[VarlenCall, ..
         q_len, k_len = items.q_len[keep], items.k_len[keep]
         call = VarlenCall(
             causal,
-            _ranges(items.q_start[keep], q_len).to(device),
-            _ranges(items.k_start[keep], k_len).to(device),
+            concat_ranges(items.q_start[keep], q_len).to(device),
+            concat_ranges(items.k_start[keep], k_len).to(device),
             _cumulative(q_len).to(device),
             _cumulative(k_len).to(device),
             int(q_len.max()),

@@ -58,17 +58,13 @@ class ShardPlan:
 
     def owner(self) -> torch.Tensor:
         """``[S_pad]`` int64: the rank owning each position."""
-        owner = torch.empty(self.padded_len, dtype=torch.long)
-        ranks = torch.arange(self.world).unsqueeze(1).expand_as(self.positions_WL)
-        owner[self.positions_WL.reshape(-1)] = ranks.reshape(-1)
-        return owner
+        ranks = torch.arange(self.world).repeat_interleave(self.local_len)
+        return torch.empty(self.padded_len, dtype=torch.long).scatter_(0, self.positions_WL.reshape(-1), ranks)
 
     def local_index(self) -> torch.Tensor:
         """``[S_pad]`` int64: each position's index in its owner's local order."""
-        index = torch.empty(self.padded_len, dtype=torch.long)
-        local = torch.arange(self.local_len).unsqueeze(0).expand_as(self.positions_WL)
-        index[self.positions_WL.reshape(-1)] = local.reshape(-1)
-        return index
+        local = torch.arange(self.local_len).repeat(self.world)
+        return torch.empty(self.padded_len, dtype=torch.long).scatter_(0, self.positions_WL.reshape(-1), local)
 
 
 def pad_doc_ids(doc_ids_S: torch.Tensor, padded_len: int) -> torch.Tensor:
