@@ -38,7 +38,6 @@ import torch
 from blockdiag_cp import CPConfig, cp_blockdiag_sdpa
 from blockdiag_cp.batch import shard_step
 from blockdiag_cp.doc_ids import resolve_doc_ids
-from blockdiag_cp.exchange.base import BufferExchange
 from blockdiag_cp.slot import STEP_SLOT
 from blockdiag_cp.state import build_step_state
 from blockdiag_cp.testing import doc_ids_from_lengths
@@ -48,26 +47,12 @@ CP = 8
 LAYERS = 32
 
 
-class _Loopback(torch.autograd.Function):
-    """Stands in for a collective: returns rows of the received shape; backward returns the sent shape."""
-
-    @staticmethod
-    def forward(ctx, rows_TX: torch.Tensor, recv_rows: int) -> torch.Tensor:
-        ctx.sent = rows_TX.shape[0]
-        return rows_TX.new_zeros((recv_rows, *rows_TX.shape[1:]))
-
-    @staticmethod
-    def backward(ctx, grad_RX: torch.Tensor):
-        return grad_RX.new_zeros((ctx.sent, *grad_RX.shape[1:])), None
-
-
 def loopback(state) -> None:
-    """Replace the state's transport by `_Loopback` (buffer exchanges: halo, a2a, allgather)."""
+    """Replace the needed-only exchange's transport by a stand-in that returns rows of the received shape."""
     exchange = state.exchange
-    if not isinstance(exchange, BufferExchange) or not hasattr(exchange, "recv_splits"):
+    if not hasattr(exchange, "transport"):
         raise SystemExit(f"the loopback serves the needed-only exchanges; this step routed {exchange.name!r}")
-    received = sum(exchange.recv_splits)
-    exchange.transport = lambda rows: _Loopback.apply(rows, received)
+    exchange.transport = lambda rows, send, recv: rows.new_zeros((sum(recv), *rows.shape[1:]))
 
 
 def plan_rank(ids_1S: torch.Tensor, rank: int, layout: str):

@@ -89,7 +89,7 @@ def attend_in_step(
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     if scale <= 0.0:  # softmax((s q) k^T) with scale 1: the fused CPU kernel mishandles s <= 0
         query, scale = query * scale, 1.0
-    out_HLD = state.exchange.attend(query[0], key[0], value[0], kernel, scale, float(dropout_p))
+    out_HLD = state.exchange.attend(query.squeeze(0), key.squeeze(0), value.squeeze(0), kernel, scale, float(dropout_p))
     return out_HLD.unsqueeze(0)
 
 

@@ -82,8 +82,8 @@ class KVExchange(ABC):
 
 
 def fuse_kv(k_HLD: torch.Tensor, v_HLD: torch.Tensor) -> torch.Tensor:
-    """``[L, 2, Hk, D]`` contiguous rows: one token's K and V, ready for one collective."""
-    return torch.stack([k_HLD, v_HLD], dim=0).permute(2, 0, 1, 3).contiguous()
+    """``[L, 2, Hk, D]`` contiguous rows (one copy): one token's K and V, ready for one collective."""
+    return torch.stack([k_HLD.transpose(0, 1), v_HLD.transpose(0, 1)], dim=1)
 
 
 def split_kv(kv_N2HD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,26 +111,79 @@ def items_over_buffer(pieces: Pieces, buffer_positions: torch.Tensor, num_q_rows
 class BufferExchange(KVExchange):
     """An exchange that fills one key buffer (positions ascending) and attends once.
 
-    Subclasses implement `fetch`; the buffer is the rows at `buffer_positions`.
+    Subclasses move rows with two plain functions (their collectives included):
+    `gather_rows` fills the buffer of `buffer_positions` from the local rows, and
+    `scatter_grads` is its adjoint. With a log-sum-exp kernel the whole layer is one
+    autograd node (`BufferAttention`): no intermediate view gradients to zero-fill.
     """
 
     def __init__(self, setup: ExchangeSetup, buffer_positions: torch.Tensor) -> None:
         self.buffer_positions = buffer_positions
+        self.local_len = setup.local_len
         self.items = items_over_buffer(setup.pieces(), buffer_positions, setup.local_len)
         self.kernel_calls: Mapping[str, Any] = MappingProxyType(
             {k.name: k.prepare(self.items, setup.device) for k in setup.kernels}
         )
 
     @abstractmethod
-    def fetch(self, kv_L2HD: torch.Tensor) -> torch.Tensor:
-        """Differentiable: local rows ``[L, 2, Hk, D]`` -> key buffer ``[N, 2, Hk, D]``."""
+    def gather_rows(self, kv_L2HD: torch.Tensor) -> torch.Tensor:
+        """Local rows ``[L, 2, Hk, D]`` -> key buffer ``[N, 2, Hk, D]`` (runs the forward collectives)."""
+
+    @abstractmethod
+    def scatter_grads(self, d_buffer_N2HD: torch.Tensor) -> torch.Tensor:
+        """The adjoint: buffer gradients ``[N, 2, Hk, D]`` -> local-row gradients ``[L, 2, Hk, D]``."""
 
     def attend(self, q_HLD, k_HLD, v_HLD, kernel, scale, dropout_p):
-        buffer = self.fetch(fuse_kv(k_HLD, v_HLD))
+        calls = self.kernel_calls[kernel.name]
+        if kernel.supports_lse:
+            return BufferAttention.apply(q_HLD, k_HLD, v_HLD, self, kernel, calls, scale, dropout_p)
+        buffer = FetchRows.apply(fuse_kv(k_HLD, v_HLD), self)
         k_buf, v_buf = split_kv(buffer)
-        out = kernel.attend(self.kernel_calls[kernel.name], q_HLD, k_buf, v_buf, scale, dropout_p)
+        out = kernel.attend(calls, q_HLD, k_buf, v_buf, scale, dropout_p)
         if self.items.size == 0:
             # A rank of only padding: its zeros must still depend on q and the fetched
             # buffer, so its backward runs the exchange's collectives like every other rank.
             out = out + 0.0 * (q_HLD.sum() + buffer.sum())
         return out
+
+
+class FetchRows(torch.autograd.Function):
+    """Differentiable `BufferExchange.gather_rows` (for kernels whose backward is autograd's)."""
+
+    @staticmethod
+    def forward(ctx, kv_L2HD: torch.Tensor, exchange: BufferExchange) -> torch.Tensor:
+        ctx.exchange = exchange
+        return exchange.gather_rows(kv_L2HD)
+
+    @staticmethod
+    def backward(ctx, d_buffer_N2HD: torch.Tensor):
+        return ctx.exchange.scatter_grads(d_buffer_N2HD), None
+
+
+class BufferAttention(torch.autograd.Function):
+    """One layer as one node: fuse K/V, gather the buffer, attend; backward mirrors it.
+
+    Backward always runs the exchange's collectives (also on a rank of only padding),
+    so every rank's backward stays matched.
+    """
+
+    @staticmethod
+    def forward(ctx, q_HLD, k_HLD, v_HLD, exchange: BufferExchange, kernel, calls, scale: float, dropout_p: float):
+        buffer = exchange.gather_rows(fuse_kv(k_HLD, v_HLD))
+        k_buf, v_buf = split_kv(buffer)
+        o_HLD, lse_HL, aux = kernel.forward(calls, q_HLD, k_buf, v_buf, scale, dropout_p)
+        ctx.save_for_backward(q_HLD, buffer, o_HLD, lse_HL)
+        ctx.exchange, ctx.kernel, ctx.calls, ctx.aux, ctx.scale, ctx.dropout_p = (
+            exchange, kernel, calls, aux, scale, dropout_p
+        )
+        return o_HLD
+
+    @staticmethod
+    def backward(ctx, do_HLD):
+        q, buffer, o, lse = ctx.saved_tensors
+        k_buf, v_buf = split_kv(buffer)
+        dq, d_buffer = ctx.kernel.backward_fused_kv(
+            ctx.calls, do_HLD, q, k_buf, v_buf, o, lse, ctx.aux, ctx.scale, ctx.dropout_p
+        )
+        dk_HLD, dv_HLD = split_kv(ctx.exchange.scatter_grads(d_buffer.to(buffer.dtype)))
+        return dq, dk_HLD, dv_HLD, None, None, None, None, None

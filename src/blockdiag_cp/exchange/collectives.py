@@ -15,55 +15,46 @@ def all_gather_flat(out: torch.Tensor, x: torch.Tensor, group) -> None:
     _all_gather_flat(out, x, group=group)
 
 
-class AllGatherRows(torch.autograd.Function):
-    """``[L, ...]`` on each rank -> ``[world * L, ...]`` in rank order.
+def all_gather_rows(x_LX: torch.Tensor, group) -> torch.Tensor:
+    """``[L, ...]`` on each rank -> ``[W * L, ...]`` in rank order."""
+    out = x_LX.new_empty((dist.get_world_size(group) * x_LX.shape[0], *x_LX.shape[1:]))
+    all_gather_flat(out, x_LX.contiguous(), group)
+    return out
 
-    Backward: reduce-scatter (sum), so each rank receives the summed gradient of the
-    rows it contributed from every rank that used them.
-    """
+
+def reduce_scatter_rows(x_WLX: torch.Tensor, group) -> torch.Tensor:
+    """``[W * L, ...]`` on each rank -> this rank's ``[L, ...]`` block, summed over ranks."""
+    out = x_WLX.new_empty((x_WLX.shape[0] // dist.get_world_size(group), *x_WLX.shape[1:]))
+    _reduce_scatter_flat(out, x_WLX.contiguous(), op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def all_to_all_rows(x_TX: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
+    """All-to-all-v of rows: ``send_splits[j]`` rows of `x` go to rank ``j``; the result is
+    ``[sum(recv_splits), ...]``, grouped by source rank."""
+    out = x_TX.new_empty((sum(recv_splits), *x_TX.shape[1:]))
+    dist.all_to_all_single(out, x_TX.contiguous(), recv_splits, send_splits, group=group)
+    return out
+
+
+class AllGatherRows(torch.autograd.Function):
+    """`all_gather_rows`; backward: `reduce_scatter_rows`, so each rank receives the summed
+    gradient of the rows it contributed from every rank that used them."""
 
     @staticmethod
     def forward(ctx, x_LX: torch.Tensor, group) -> torch.Tensor:
-        world = dist.get_world_size(group)
-        out = x_LX.new_empty((world * x_LX.shape[0], *x_LX.shape[1:]))
-        all_gather_flat(out, x_LX.contiguous(), group)
         ctx.group = group
-        return out
+        return all_gather_rows(x_LX, group)
 
     @staticmethod
     def backward(ctx, grad_WLX: torch.Tensor):
-        world = dist.get_world_size(ctx.group)
-        out = grad_WLX.new_empty((grad_WLX.shape[0] // world, *grad_WLX.shape[1:]))
-        _reduce_scatter_flat(out, grad_WLX.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
-        return out, None
-
-
-class AllToAllRows(torch.autograd.Function):
-    """All-to-all-v of rows: ``send_splits[j]`` rows of ``x`` go to rank ``j``.
-
-    Returns ``[sum(recv_splits), ...]``, grouped by source rank. Backward sends each
-    received row's gradient back to its source (the same exchange, reversed).
-    """
-
-    @staticmethod
-    def forward(ctx, x_TX: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
-        out = x_TX.new_empty((sum(recv_splits), *x_TX.shape[1:]))
-        dist.all_to_all_single(out, x_TX.contiguous(), recv_splits, send_splits, group=group)
-        ctx.splits, ctx.group = (send_splits, recv_splits), group
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_RX: torch.Tensor):
-        send_splits, recv_splits = ctx.splits
-        out = grad_RX.new_empty((sum(send_splits), *grad_RX.shape[1:]))
-        dist.all_to_all_single(out, grad_RX.contiguous(), send_splits, recv_splits, group=ctx.group)
-        return out, None, None, None
+        return reduce_scatter_rows(grad_WLX, ctx.group), None
 
 
 def p2p_rows(x_TX: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
     """Point-to-point exchange of rows with only the peers that have a nonzero split.
 
-    Same contract as `AllToAllRows.forward`; both sides derive the splits from the
+    Same contract as `all_to_all_rows`; both sides derive the splits from the
     same replicated routing, so every posted send has its matching receive.
     """
     out = x_TX.new_empty((sum(recv_splits), *x_TX.shape[1:]))
@@ -80,17 +71,3 @@ def p2p_rows(x_TX: torch.Tensor, send_splits: list[int], recv_splits: list[int],
         for req in dist.batch_isend_irecv(ops):
             req.wait()
     return out
-
-
-class P2PRows(torch.autograd.Function):
-    """`p2p_rows` forward; backward returns each row's gradient to its source."""
-
-    @staticmethod
-    def forward(ctx, x_TX: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
-        ctx.splits, ctx.group = (send_splits, recv_splits), group
-        return p2p_rows(x_TX, send_splits, recv_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad_RX: torch.Tensor):
-        send_splits, recv_splits = ctx.splits
-        return p2p_rows(grad_RX, recv_splits, send_splits, ctx.group), None, None, None

@@ -21,5 +21,8 @@ class LocalExchange(BufferExchange):
     def traffic(self) -> Traffic:
         return Traffic(0, 0, 0, 0)
 
-    def fetch(self, kv_L2HD: torch.Tensor) -> torch.Tensor:
+    def gather_rows(self, kv_L2HD: torch.Tensor) -> torch.Tensor:
         return kv_L2HD
+
+    def scatter_grads(self, d_buffer_N2HD: torch.Tensor) -> torch.Tensor:
+        return d_buffer_N2HD

@@ -28,7 +28,7 @@ import torch
 
 from ..errors import ensure
 from .base import BufferExchange, ExchangeSetup, Traffic
-from .collectives import AllToAllRows, P2PRows
+from .collectives import all_to_all_rows, p2p_rows
 
 
 class NeededOnlyExchange(BufferExchange):
@@ -52,6 +52,13 @@ class NeededOnlyExchange(BufferExchange):
         assemble = torch.where(src == rank, geometry.local_index[needed], L + recv_offset[src] + _rank_within(src, W))
         self.assemble = assemble.to(setup.device)
         self.assemble_runs = _runs(assemble, L)
+        # the adjoint as a gather: each local/received row's buffer row; rows no query needs get 0
+        source_rows = L + sum(self.recv_splits)
+        inverse = torch.zeros(source_rows, dtype=torch.long)
+        inverse[assemble] = torch.arange(assemble.numel())
+        unused = torch.ones(source_rows, dtype=torch.bool)
+        unused[assemble] = False
+        self.inverse, self.unused_rows = inverse.to(setup.device), torch.nonzero(unused).flatten().to(setup.device)
         super().__init__(setup, needed)
 
     @property
@@ -60,20 +67,30 @@ class NeededOnlyExchange(BufferExchange):
         return Traffic(sent, recv, recv, sent)
 
     @abstractmethod
-    def transport(self, rows_TX: torch.Tensor) -> torch.Tensor:
-        """Differentiable: rows grouped by destination -> rows grouped by source."""
+    def transport(self, rows_TX: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+        """Rows grouped by destination -> rows grouped by source (a plain collective)."""
 
-    def fetch(self, kv_L2HD: torch.Tensor) -> torch.Tensor:
-        received = self.transport(kv_L2HD.index_select(0, self.send_rows)) if self.any_transfer else kv_L2HD[:0]
+    def gather_rows(self, kv_L2HD: torch.Tensor) -> torch.Tensor:
+        received = kv_L2HD[:0]
+        if self.any_transfer:
+            received = self.transport(kv_L2HD.index_select(0, self.send_rows), self.send_splits, self.recv_splits)
         if self.assemble_runs is None:
             return torch.cat([kv_L2HD, received]).index_select(0, self.assemble)
         sources = (kv_L2HD, received)
         parts = [sources[src].narrow(0, start, length) for src, start, length in self.assemble_runs]
-        if self.any_transfer and all(src == 0 for src, _, _ in self.assemble_runs):
-            # this rank only sends: keep the received rows in the graph so its backward
-            # still runs the transport's collective, matched with the ranks that receive
-            parts.append(received[:0])
         return parts[0] if len(parts) == 1 else torch.cat(parts)  # contiguous layouts: a view or one copy
+
+    def scatter_grads(self, d_buffer_N2HD: torch.Tensor) -> torch.Tensor:
+        L = self.local_len
+        if d_buffer_N2HD.shape[0] == 0:  # a rank of only padding: no query, no gradient
+            d_rows = d_buffer_N2HD.new_zeros((self.inverse.numel(), *d_buffer_N2HD.shape[1:]))
+        else:
+            d_rows = d_buffer_N2HD.index_select(0, self.inverse).index_fill_(0, self.unused_rows, 0.0)
+        d_local = d_rows[:L]
+        if self.any_transfer:  # every rank runs the reverse collective, also one that only sent
+            returned = self.transport(d_rows[L:], self.recv_splits, self.send_splits)
+            d_local.index_add_(0, self.send_rows, returned)
+        return d_local
 
 
 def _rank_within(group_of: torch.Tensor, groups: int) -> torch.Tensor:
@@ -106,8 +123,8 @@ def _runs(assemble: torch.Tensor, local_len: int, max_runs: int = 8) -> Optional
 class AllToAllExchange(NeededOnlyExchange):
     name = "a2a"
 
-    def transport(self, rows_TX: torch.Tensor) -> torch.Tensor:
-        return AllToAllRows.apply(rows_TX, self.send_splits, self.recv_splits, self.group)
+    def transport(self, rows_TX, send_splits, recv_splits):
+        return all_to_all_rows(rows_TX, send_splits, recv_splits, self.group)
 
 
 class HaloExchange(NeededOnlyExchange):
@@ -119,8 +136,8 @@ class HaloExchange(NeededOnlyExchange):
         ensure(reason is None, f"halo routed where it cannot serve: {reason}")
         super().__init__(setup)
 
-    def transport(self, rows_TX: torch.Tensor) -> torch.Tensor:
-        return P2PRows.apply(rows_TX, self.send_splits, self.recv_splits, self.group)
+    def transport(self, rows_TX, send_splits, recv_splits):
+        return p2p_rows(rows_TX, send_splits, recv_splits, self.group)
 
 
 def halo_unsupported_reason(setup: ExchangeSetup) -> str | None:

@@ -145,7 +145,6 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, do_HLD):
         q, k_own, v_own, o, lse = ctx.saved_tensors
         ring, kernel = ctx.ring, ctx.kernel
-        do_HLD = do_HLD.contiguous()
         acc = accumulate_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         block = fuse_kv(k_own, v_own)

@@ -156,6 +156,12 @@ class LseKernel(AttentionKernel):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients ``(dq, dk, dv)`` of this table's keys, given the final ``o`` and ``lse``."""
 
+    def backward_fused_kv(self, calls: Any, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale: float,
+                          dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """`backward` with the K/V gradients as one ``[N, 2, Hk, D]`` tensor (token rows, as exchanged)."""
+        dq, dk, dv = self.backward(calls, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale, dropout_p)
+        return dq, torch.stack([dk.transpose(0, 1), dv.transpose(0, 1)], dim=1)
+
     def attend(self, calls: Any, q_HLD, k_HND, v_HND, scale: float, dropout_p: float) -> torch.Tensor:
         return ItemAttention.apply(q_HLD, k_HND, v_HND, self, calls, scale, dropout_p)
 
@@ -173,9 +179,7 @@ class ItemAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do_HLD):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.kernel.backward(
-            ctx.calls, do_HLD.contiguous(), q, k, v, o, lse, ctx.aux, ctx.scale, ctx.dropout_p
-        )
+        dq, dk, dv = ctx.kernel.backward(ctx.calls, do_HLD, q, k, v, o, lse, ctx.aux, ctx.scale, ctx.dropout_p)
         return dq, dk, dv, None, None, None, None
 
 

@@ -1,4 +1,4 @@
-"""`sdpa`: PyTorch's fused attention called per document piece, no mask materialized.
+"""`sdpa`: PyTorch's fused attention per document piece, in few calls, with no mask.
 
 Note [Bottom-right causal from two fused calls]
 -----------------------------------------------
@@ -7,17 +7,38 @@ began on an earlier rank (``q_len < k_len``) is split into two calls whose parti
 results are merged by log-sum-exp:
 
     keys:   [ prefix (k_len - q_len) | square (q_len) ]
-    call 1: prefix, no mask      (every query sees every earlier key)
-    call 2: square, is_causal    (top-left == bottom-right when square)
+    call 1: square, is_causal    (top-left == bottom-right when square)
+    call 2: prefix, no mask      (every query sees every earlier key), merged into 1
 
 Backward runs the fused backward of each call with the *merged* output and
-log-sum-exp, which yields exactly the gradients of the merged attention. Items of
-equal shape are batched into one call, so many tiny documents cost a few calls.
-Memory is ``O(L * D)``: no ``[L, N]`` score or mask tensor is ever built.
+log-sum-exp, which yields exactly the gradients of the merged attention. Memory is
+``O(L * D)``: no ``[L, N]`` score or mask tensor is ever built.
+
+Note [Token-major rows and buckets]
+-----------------------------------
+A layer's tensors are used token-major, ``q [L, H, D]`` and K/V ``[N, Hk, D]`` (free
+views of what the model and the exchange hand over), so gathering a call's rows is
+one ``index_select`` along dim 0, never a copy of a whole ``[H, L, D]``. The call
+table, built once per step, groups the pieces:
+
+- a causal square of at least ``SOLO_LEN`` queries is its own call: a slice view of
+  contiguous rows, no copy;
+- shorter causal squares (short documents, and the square part of short pieces)
+  are padded at their end up to a bucket length (a grid about 12% apart) and
+  batched ``G`` at a time into one call. Causality hides the pad keys from every
+  real query; pad queries write to a dummy row in forward and carry ``lse = +inf``
+  in backward (their probabilities are exactly 0), so they contribute nothing;
+- prefix parts and full blocks (another rank's keys in the ring) are batched by
+  exact shape.
+
+Forward keeps each call's gathered q/k/v for backward, which gathers only dO, o and
+lse (once per row) and scatter-adds dq/dk/dv (pads into the dummy rows).
 """
 
 from __future__ import annotations
 
+import math
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,141 +46,139 @@ import torch
 
 from ..errors import ensure
 from .base import ItemTable, LseKernel, accumulate_dtype, expand_heads, fold_heads, merge_partial
+from ..ranges import concat_ranges
+from .fused_ops import cpu_fused_ops, fused_ops_for
+
+#: causal squares of at least this many queries get a call of their own
+SOLO_LEN = 512
+
+__all__ = ("SOLO_LEN", "FusedCall", "FusedCallTable", "Rows", "SdpaKernel", "bucket_length", "cpu_fused_ops",
+           "fused_call_table", "fused_calls")
 
 
-def cpu_fused_ops():
-    """The CPU fused attention ops (forward returns the log-sum-exp), or None."""
-    fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-    return (fwd, bwd) if fwd is not None and bwd is not None else None
-
-
-class CpuFusedOps:
-    """``fwd(q, k, v, causal, scale) -> (o, lse)`` and ``bwd(...)`` on PyTorch's CPU flash kernel.
-
-    Shapes ``[n, H, l, D]`` (queries) and ``[n, Hk, m, D]`` (keys); GQA native.
-    """
-
-    def __init__(self) -> None:
-        ops = cpu_fused_ops()
-        if ops is None:
-            raise ValueError("kernel='sdpa' needs torch's CPU fused attention ops (torch >= 2.3)")
-        self._fwd, self._bwd = ops
-
-    def fwd(self, q, k, v, causal: bool, scale: float):
-        return self._fwd(q, k, v, 0.0, causal, scale=scale)
-
-    def bwd(self, do, q, k, v, o, lse, causal: bool, scale: float):
-        return self._bwd(do, q, k, v, o, lse, 0.0, causal, scale=scale)
-
-
-class CudaFusedOps:
-    """The same two calls on PyTorch's CUDA memory-efficient attention (fp32/fp16/bf16).
-
-    That kernel wants equal head counts (K/V heads are expanded, their gradients
-    summed in float32) and pads the log-sum-exp to a multiple of 32 queries.
-    """
-
-    def __init__(self) -> None:
-        self._fwd = torch.ops.aten._scaled_dot_product_efficient_attention
-        self._bwd = torch.ops.aten._scaled_dot_product_efficient_attention_backward
-
-    def fwd(self, q, k, v, causal: bool, scale: float):
-        k, v = (expand_heads(t, q.shape[1], 1) for t in (k, v))
-        o, lse, _, _ = self._fwd(q, k, v, None, True, 0.0, causal, scale=scale)
-        return o, lse[..., : q.shape[2]]
-
-    def bwd(self, do, q, k, v, o, lse, causal: bool, scale: float):
-        kv_heads = k.shape[1]
-        k, v = (expand_heads(t, q.shape[1], 1) for t in (k, v))
-        pad = -q.shape[2] % 32
-        lse = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
-        zero = torch.zeros((), dtype=torch.long, device=q.device)
-        dq, dk, dv, _ = self._bwd(do, q, k, v, None, o, lse, zero, zero, 0.0, [True, True, True, False], causal, scale=scale)
-        groups = q.shape[1] // kv_heads
-        if groups > 1:
-            dk, dv = (fold_heads(t.float(), groups, 1).to(t.dtype) for t in (dk, dv))
-        return dq, dk, dv
-
-
-def fused_ops_for(device: torch.device):
-    """The fused ops for `device`; ``meta`` (shape-only dry runs) uses the CPU ops' meta kernels."""
-    if device.type in ("cpu", "meta"):
-        return CpuFusedOps()
-    if device.type == "cuda":
-        return CudaFusedOps()
-    raise ValueError(f"kernel='sdpa' supports cpu and cuda devices, got {device.type}")
+def bucket_length(n: int) -> int:
+    """The padded length of a short causal square: `n` rounded up on a grid ~12% apart (>= 8)."""
+    if n >= SOLO_LEN:
+        return n
+    step = max(8, 2 ** max(0, math.ceil(math.log2(n)) - 3))
+    return -(-n // step) * step
 
 
 @dataclass(frozen=True)
-class RowSelect:
-    """``G`` equal-length runs of rows of a ``[H, R, D]`` tensor: one slice, or an index."""
+class Rows:
+    """The rows of one fused call: ``G`` runs of ``length`` rows of a ``[R, ...]`` tensor.
 
+    Either one contiguous run (``start``: a slice, no copy), or gather/scatter indices
+    ``[G * length]`` on the device: pads gather a real row and scatter to the dummy
+    row ``R`` (see Note [Token-major rows and buckets]); ``pad`` marks them.
+    """
+
+    count: int
     length: int
     start: Optional[int] = None
-    index_GL: Optional[torch.Tensor] = None
+    gather: Optional[torch.Tensor] = None
+    scatter: Optional[torch.Tensor] = None
+    pad: Optional[torch.Tensor] = None
 
-    def take(self, t_HRD: torch.Tensor) -> torch.Tensor:
-        """``[G, H, length, ...]`` view or copy of the selected rows."""
+    def take(self, t_RX: torch.Tensor) -> torch.Tensor:
+        """``[G * length, ...]``: the rows (a view for a slice)."""
         if self.start is not None:
-            return t_HRD[:, self.start : self.start + self.length].unsqueeze(0)
-        n = self.index_GL.shape[0]
-        picked = t_HRD.index_select(1, self.index_GL.reshape(-1))
-        return picked.reshape(t_HRD.shape[0], n, self.length, *t_HRD.shape[2:]).transpose(0, 1)
+            return t_RX[self.start : self.start + self.length]
+        return t_RX.index_select(0, self.gather)
 
-    def put(self, t_HRD: torch.Tensor, value_GHL: torch.Tensor, accumulate: bool) -> None:
-        """Write (or add) ``value [G, H, length, ...]`` into the selected rows, in place."""
+    def put(self, t_RX: torch.Tensor, value_TX: torch.Tensor) -> None:
+        """Write the rows of `t_RX` (which has the dummy row) in place."""
         if self.start is not None:
-            view = t_HRD[:, self.start : self.start + self.length]
-            view.add_(value_GHL[0]) if accumulate else view.copy_(value_GHL[0])
-            return
-        flat = value_GHL.transpose(0, 1).reshape(t_HRD.shape[0], -1, *t_HRD.shape[2:])
-        index = self.index_GL.reshape(-1)
-        if accumulate:
-            t_HRD.index_add_(1, index, flat.to(t_HRD.dtype))
+            t_RX[self.start : self.start + self.length].copy_(value_TX)
         else:
-            t_HRD.index_copy_(1, index, flat.to(t_HRD.dtype))
+            t_RX.index_copy_(0, self.scatter, value_TX.to(t_RX.dtype))
+
+    def add(self, t_RX: torch.Tensor, value_TX: torch.Tensor) -> None:
+        """Add into the rows of `t_RX` (which has the dummy row) in place."""
+        if self.start is not None:
+            t_RX[self.start : self.start + self.length].add_(value_TX)
+        else:
+            t_RX.index_add_(0, self.scatter, value_TX.to(t_RX.dtype))
+
+    def batch(self, t_TX: torch.Tensor) -> torch.Tensor:
+        """``[G * length, H, ...]`` -> ``[G, H, length, ...]`` (a view)."""
+        return t_TX.reshape(self.count, self.length, *t_TX.shape[1:]).transpose(1, 2)
+
+    def unbatch(self, t_GHX: torch.Tensor) -> torch.Tensor:
+        """``[G, H, length, ...]`` -> ``[G * length, H, ...]``."""
+        return t_GHX.transpose(1, 2).reshape(self.count * self.length, *t_GHX.shape[1:2], *t_GHX.shape[3:])
 
 
 @dataclass(frozen=True)
 class FusedCall:
-    """One fused call: ``G`` items of equal shape; `merge` if rows hold a partial result."""
+    """One fused call over ``G`` items of one shape; `merge` if its rows already hold a partial result."""
 
     causal: bool
     merge: bool
-    q_rows: RowSelect
-    k_rows: RowSelect
+    q: Rows
+    k: Rows
 
 
-def _select(starts: list[int], length: int, device: torch.device) -> RowSelect:
-    if len(starts) == 1:
-        return RowSelect(length, start=starts[0])
-    base = torch.tensor(starts, dtype=torch.long).unsqueeze(1)
-    return RowSelect(length, index_GL=(base + torch.arange(length)).to(device))
+def _rows(starts: list[int], reals: list[int], length: int, dummy: int, device: torch.device) -> Rows:
+    """Rows for items starting at `starts` with `reals` real rows each, padded to `length`."""
+    if len(starts) == 1 and reals[0] == length:
+        return Rows(1, length, start=starts[0])
+    start, real = torch.tensor(starts).unsqueeze(1), torch.tensor(reals).unsqueeze(1)
+    offset = torch.arange(length).unsqueeze(0)
+    is_pad = offset >= real
+    gather = start + torch.minimum(offset, real - 1)
+    scatter = torch.where(is_pad, dummy, start + offset)
+    pad = is_pad.reshape(-1).to(device) if bool(is_pad.any()) else None
+    return Rows(len(starts), length, None, gather.reshape(-1).to(device), scatter.reshape(-1).to(device), pad)
+
+
+@dataclass(frozen=True)
+class FusedCallTable:
+    """A step's fused calls (first-touch calls first) and the query rows that no call touches."""
+
+    calls: tuple[FusedCall, ...]
+    untouched_rows: torch.Tensor  # [n] int64 on the device: padding rows, whose output is 0
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def __iter__(self):
+        return iter(self.calls)
+
+
+def fused_call_table(items: ItemTable, device: torch.device) -> FusedCallTable:
+    """`fused_calls` and the rows they leave untouched."""
+    touched = torch.zeros(items.num_q_rows, dtype=torch.bool)
+    touched[concat_ranges(items.q_start, items.q_len)] = True
+    return FusedCallTable(fused_calls(items, device), torch.nonzero(~touched).flatten().to(device))
 
 
 def fused_calls(items: ItemTable, device: torch.device) -> tuple[FusedCall, ...]:
-    """Split causal items into prefix + square, group equal shapes; first-touch calls first."""
-    groups: dict[tuple[bool, bool, int, int], tuple[list[int], list[int]]] = {}
+    """The calls of `items` (Notes [Bottom-right causal...] and [Token-major rows and buckets]).
 
-    def add(causal: bool, merge: bool, q0: int, ql: int, k0: int, kl: int) -> None:
-        q_starts, k_starts = groups.setdefault((causal, merge, ql, kl), ([], []))
-        q_starts.append(q0)
-        k_starts.append(k0)
-
+    First-touch calls come first, the prefix calls that merge into them after.
+    """
+    groups: dict[tuple[bool, bool, int, int], list[tuple[int, int, int, int]]] = defaultdict(list)
     rows = zip(*(t.tolist() for t in (items.q_start, items.q_len, items.k_start, items.k_len, items.causal)))
     for q0, ql, k0, kl, causal in rows:
         if not causal:
-            add(False, False, q0, ql, k0, kl)
+            groups[False, False, ql, kl].append((q0, ql, k0, kl))
             continue
-        add(True, False, q0, ql, k0 + kl - ql, ql)
+        b = bucket_length(ql)
+        groups[True, False, b, b].append((q0, ql, k0 + kl - ql, ql))
         if kl > ql:
-            add(False, True, q0, ql, k0, kl - ql)
-    ordered = sorted(groups.items(), key=lambda kv: kv[0][1])  # merge=False first
-    return tuple(
-        FusedCall(causal, merge, _select(qs, ql, device), _select(ks, kl, device))
-        for (causal, merge, ql, kl), (qs, ks) in ordered
-    )
+            groups[False, True, ql, kl - ql].append((q0, ql, k0, kl - ql))
+    calls = []
+    for (causal, merge, ql, kl), members in sorted(groups.items(), key=lambda kv: (kv[0][1], -kv[0][2], -kv[0][3])):
+        q0s, qreal, k0s, kreal = (list(col) for col in zip(*members))
+        q = _rows(q0s, qreal, ql, items.num_q_rows, device)
+        k = _rows(k0s, kreal, kl, items.num_k_rows, device)
+        calls.append(FusedCall(causal, merge, q, k))
+    return tuple(calls)
+
+
+#: Old name (0.1), kept for code that imported it.
+plan_fused_calls = fused_calls
 
 
 class SdpaKernel(LseKernel):
@@ -174,42 +193,61 @@ class SdpaKernel(LseKernel):
         if self.device_type == "cuda" and q_HLD.dtype == torch.float64:
             raise ValueError("kernel='sdpa' on CUDA runs in float32/float16/bfloat16, not float64; use kernel='dense'")
 
-    def prepare(self, items: ItemTable, device: torch.device) -> tuple[FusedCall, ...]:
+    def prepare(self, items: ItemTable, device: torch.device) -> FusedCallTable:
         if device.type != self.device_type:
             raise ValueError(f"kernel='sdpa' was set up for {self.device_type}, got tensors on {device}")
-        return fused_calls(items, device)
+        return fused_call_table(items, device)
 
     def forward(self, calls, q_HLD, k_HND, v_HND, scale, dropout_p):
+        """``(o [H, L, D], lse [H, L], aux)``; aux holds each call's gathered q/k/v for backward."""
         ensure(dropout_p == 0.0, "callers route dropout to a kernel that supports it")
-        H, L, _ = q_HLD.shape
-        o = torch.zeros_like(q_HLD)
-        lse = torch.full((H, L), float("-inf"), dtype=accumulate_dtype(q_HLD.dtype), device=q_HLD.device)
+        q_LHD, k_NHD, v_NHD = (t.transpose(0, 1) for t in (q_HLD, k_HND, v_HND))
+        L, H, D = q_LHD.shape
+        # + the dummy row that pads write into; every other row is written by a first-touch call or zeroed here
+        o_LHD = q_LHD.new_empty(L + 1, H, D).index_fill_(0, calls.untouched_rows, 0.0)
+        lse_LH = torch.empty((L + 1, H), dtype=accumulate_dtype(q_HLD.dtype), device=q_HLD.device)
+        lse_LH.index_fill_(0, calls.untouched_rows, float("-inf"))
+        kept = []
         for call in calls:
-            q, k, v = call.q_rows.take(q_HLD), call.k_rows.take(k_HND), call.k_rows.take(v_HND)
-            o_part, lse_part = self._ops.fwd(q, k, v, call.causal, scale)
+            q, k, v = call.q.take(q_LHD), call.k.take(k_NHD), call.k.take(v_NHD)
+            o_b, lse_b = self._ops.fwd(call.q.batch(q), call.k.batch(k), call.k.batch(v), call.causal, scale)
+            o, lse = call.q.unbatch(o_b), call.q.unbatch(lse_b.unsqueeze(-1)).squeeze(-1)
             if call.merge:
-                o_part, lse_part = merge_partial(call.q_rows.take(o), call.q_rows.take(lse), o_part, lse_part)
-            call.q_rows.put(o, o_part, accumulate=False)
-            call.q_rows.put(lse, lse_part, accumulate=False)
-        return o, lse, None
+                o, lse = merge_partial(call.q.take(o_LHD), call.q.take(lse_LH), o, lse)
+            call.q.put(o_LHD, o)
+            call.q.put(lse_LH, lse)
+            kept.append((q, k, v))
+        return o_LHD[:L].transpose(0, 1), lse_LH[:L].transpose(0, 1), kept
 
     def backward(self, calls, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale, dropout_p):
+        dq, dkv = self.backward_fused_kv(calls, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale, dropout_p)
+        return dq, dkv[:, 0].transpose(0, 1), dkv[:, 1].transpose(0, 1)
+
+    def backward_fused_kv(self, calls, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale, dropout_p):
+        """``(dq [H, L, D], dkv [N, 2, Hk, D])``: K and V gradients accumulated in one fused buffer."""
+        do_LHD, o_LHD, lse_LH = do_HLD.transpose(0, 1), o_HLD.transpose(0, 1), lse_HL.transpose(0, 1)
         acc = accumulate_dtype(q_HLD.dtype)
-        dq = torch.zeros(q_HLD.shape, dtype=acc, device=q_HLD.device)
-        dk = torch.zeros(k_HND.shape, dtype=acc, device=k_HND.device)
-        dv = torch.zeros(v_HND.shape, dtype=acc, device=v_HND.device)
+        (H, L, D), N = q_HLD.shape, k_HND.shape[1]
+        dq = torch.zeros(L + 1, H, D, dtype=acc, device=q_HLD.device)
+        dkv = torch.zeros(N + 1, 2, k_HND.shape[0], D, dtype=acc, device=q_HLD.device)
+        dk, dv = dkv[:, 0], dkv[:, 1]
         # In half precision the CPU fused backward sums grouped-query heads in that
         # precision; expand K/V heads and sum their gradients in float32 instead.
-        groups = q_HLD.shape[0] // k_HND.shape[0] if q_HLD.element_size() < 4 and self.device_type == "cpu" else 1
-        for call in calls:
-            q, k, v = call.q_rows.take(q_HLD), call.k_rows.take(k_HND), call.k_rows.take(v_HND)
+        groups = H // k_HND.shape[0] if q_HLD.element_size() < 4 and self.device_type == "cpu" else 1
+        for call, (q, k, v) in zip(calls, aux):
+            do, o, lse = call.q.take(do_LHD), call.q.take(o_LHD), call.q.take(lse_LH)
+            if call.q.pad is not None:  # pad queries: probabilities exp(s - inf) = 0, so no gradient at all
+                lse = lse.masked_fill(call.q.pad[:, None], float("inf"))
+            k_b, v_b = call.k.batch(k), call.k.batch(v)
             if groups > 1:
-                k, v = expand_heads(k, q.shape[1], 1), expand_heads(v, q.shape[1], 1)
-            do, o, lse = (call.q_rows.take(t) for t in (do_HLD, o_HLD, lse_HL))
-            dq_p, dk_p, dv_p = self._ops.bwd(do.contiguous(), q, k, v, o.contiguous(), lse.contiguous(), call.causal, scale)
+                k_b, v_b = expand_heads(k_b, H, 1), expand_heads(v_b, H, 1)
+            dq_b, dk_b, dv_b = self._ops.bwd(
+                call.q.batch(do), call.q.batch(q), k_b, v_b, call.q.batch(o),
+                call.q.batch(lse.unsqueeze(-1)).squeeze(-1).contiguous(), call.causal, scale,
+            )
             if groups > 1:
-                dk_p, dv_p = (fold_heads(t.to(acc), groups, 1) for t in (dk_p, dv_p))
-            call.q_rows.put(dq, dq_p, accumulate=True)
-            call.k_rows.put(dk, dk_p, accumulate=True)
-            call.k_rows.put(dv, dv_p, accumulate=True)
-        return dq.to(q_HLD.dtype), dk.to(k_HND.dtype), dv.to(v_HND.dtype)
+                dk_b, dv_b = (fold_heads(t.to(acc), groups, 1) for t in (dk_b, dv_b))
+            call.q.add(dq, call.q.unbatch(dq_b))
+            call.k.add(dk, call.k.unbatch(dk_b))
+            call.k.add(dv, call.k.unbatch(dv_b))
+        return dq[:-1].transpose(0, 1).to(q_HLD.dtype), dkv[:-1].to(k_HND.dtype)

@@ -241,12 +241,18 @@ def format_table(results: list[BenchResult], limit: Optional[float]) -> str:
     return "\n".join(lines)
 
 
+#: with --reference auto, the seed's dense all-gather reference runs only up to this length
+SEED_MAX_AUTO = 8192
+
+
 def run_bench(args: argparse.Namespace) -> int:
     segments = doc_lengths(args.docs, args.seq_len)
     spec = BenchSpec(segments, world=args.world, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                      kv_exchange=args.exchange, layout=args.layout, kernel=args.kernel, repeats=args.repeats)
     specs = [spec]
-    if args.reference != "no":
+    if args.reference == "auto" and spec.seq_len > SEED_MAX_AUTO:
+        print(f"(the seed's reference is skipped above S={SEED_MAX_AUTO}: it materializes S x S masks; --reference yes runs it)")
+    elif args.reference != "no":
         if seed_available():
             specs.append(replace(spec, impl="seed"))
         elif args.reference == "yes":

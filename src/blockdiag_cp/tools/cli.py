@@ -60,9 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="time, memory, bytes and balance of one configuration")
     _add_attention_args(bench)
-    bench.add_argument("--seq-len", type=_positive, default=8192)
-    bench.add_argument("--docs", default="1500,3000,2500,1192",
-                       help="document lengths (comma list) or a distribution: uniform:N, powerlaw:N, one")
+    bench.add_argument("--seq-len", type=_positive, default=32768)
+    bench.add_argument("--docs", default="powerlaw:300",
+                       help="document lengths (comma list) or a distribution: uniform:N, powerlaw:N, one, mixed "
+                            "(default: 300 power-law documents, the packed-SFT row)")
     bench.add_argument("--heads", type=_positive, default=8)
     bench.add_argument("--kv-heads", type=_positive, default=8)
     bench.add_argument("--head-dim", type=_positive, default=64)

@@ -1,0 +1,77 @@
+"""Rows of hundreds of documents (the common packed-SFT case) against the per-document limit.
+
+    python benchmarks/many_docs.py            # every case, both layouts
+    python benchmarks/many_docs.py --quick    # the headline case only
+
+Each case runs one attention call forward+backward under CP on gloo processes (one
+thread each, median of the repeats after a warm-up) and, in the same run, the limit:
+one process running each document's causal SDPA alone (forward+backward), divided
+by the world size, measured on an idle machine and again with a copy running on
+every core (the CP run keeps every core busy; on a machine whose cores share
+resources that alone slows the same kernels). Printed per layout: seconds, x limit,
+and max/mean attention work (the contiguous layout cannot beat its own imbalance,
+so its goal is scaled by it).
+
+Goals (issue #12), cp = 2:
+- S = 32,768, 300 power-law documents, 8 query and 8 K/V heads of 64, fp32:
+  balanced <= 1.20x the limit; contiguous <= 1.10 x (its max/mean work) x the limit.
+- S = 131,072, 1,000 power-law documents, one head of 16: <= 1.3x.
+- one 8,192-token document, balanced: <= 1.15x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+from blockdiag_cp.tools.bench import BenchSpec, doc_lengths, limit_seconds, run_spec
+
+CASES = {
+    "300 power-law docs, S=32768, 8x64": (dict(heads=8, kv_heads=8, head_dim=64), "powerlaw:300", 32768,
+                                          {"balanced": 1.20, "contiguous": 1.10}),
+    "1000 power-law docs, S=131072, 1x16": (dict(heads=1, kv_heads=1, head_dim=16), "powerlaw:1000", 131072,
+                                            {"balanced": 1.30, "contiguous": 1.30}),
+    "one 8192-token document, 8x64": (dict(heads=8, kv_heads=8, head_dim=64), "one", 8192, {"balanced": 1.15}),
+}
+
+
+def run_case(name: str, repeats: int) -> list[str]:
+    shape, docs, seq_len, goals = CASES[name]
+    segments = doc_lengths(docs, seq_len)
+    rows = []
+    for layout, goal in goals.items():
+        spec = BenchSpec(segments, world=2, layout=layout, repeats=repeats, **shape)
+        limit = limit_seconds(spec, repeats=repeats)
+        result = run_spec(spec)
+        busy = limit_seconds(spec, repeats=repeats, loaded=True)
+        imbalance = max(result.work) / (sum(result.work) / len(result.work))
+        ratio, ratio_busy = result.seconds / limit, result.seconds / busy
+        target = goal * (imbalance if layout == "contiguous" else 1.0)
+        rows.append(f"| {name} | {layout} | {result.exchange} | {result.seconds:.3f} | {limit:.3f} | {ratio:.2f} | "
+                    f"{busy:.3f} | {ratio_busy:.2f} | {imbalance:.3f} | {target:.2f} | "
+                    f"{'ok' if ratio <= target else ('ok with cores busy' if ratio_busy <= target else 'OVER')} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="the headline case only")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    header = ["| case | layout | exchange | CP fwd+bwd s | limit s (idle) | x limit | limit s (cores busy) | x limit (busy) "
+              "| max/mean work | goal (x limit) | |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    print("\n".join(header), flush=True)
+    names = list(CASES)[:1] if args.quick else list(CASES)
+    rows = [row for name in names for row in run_case(name, args.repeats)]
+    if not args.quick:
+        out = pathlib.Path(__file__).resolve().parent.parent / "docs" / "bench_many_docs.md"
+        out.write_text("# Many-document rows against the per-document limit (cp = 2, fp32, gloo)\n\n"
+                       + "\n".join(header + rows) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""PyTorch's fused attention ops behind two calls: ``fwd`` returns the log-sum-exp, ``bwd`` takes it.
+
+Shapes: queries ``[G, H, l, D]``, keys and values ``[G, Hk, m, D]`` (any strides with
+a unit-stride last dimension); the output ``[G, H, l, D]`` and the log-sum-exp
+``[G, H, l]`` (float32, or float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import expand_heads, fold_heads
+
+
+def cpu_fused_ops():
+    """The CPU fused attention ops (forward returns the log-sum-exp), or None."""
+    fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    return (fwd, bwd) if fwd is not None and bwd is not None else None
+
+
+class CpuFusedOps:
+    """``fwd(q, k, v, causal, scale) -> (o, lse)`` and ``bwd(...)`` on PyTorch's CPU flash kernel.
+
+    Shapes ``[n, H, l, D]`` (queries) and ``[n, Hk, m, D]`` (keys); GQA native.
+    """
+
+    def __init__(self) -> None:
+        ops = cpu_fused_ops()
+        if ops is None:
+            raise ValueError("kernel='sdpa' needs torch's CPU fused attention ops (torch >= 2.3)")
+        self._fwd, self._bwd = ops
+
+    def fwd(self, q, k, v, causal: bool, scale: float):
+        return self._fwd(q, k, v, 0.0, causal, scale=scale)
+
+    def bwd(self, do, q, k, v, o, lse, causal: bool, scale: float):
+        return self._bwd(do, q, k, v, o, lse, 0.0, causal, scale=scale)
+
+
+class CudaFusedOps:
+    """The same two calls on PyTorch's CUDA memory-efficient attention (fp32/fp16/bf16).
+
+    That kernel wants equal head counts (K/V heads are expanded, their gradients
+    summed in float32) and pads the log-sum-exp to a multiple of 32 queries.
+    """
+
+    def __init__(self) -> None:
+        self._fwd = torch.ops.aten._scaled_dot_product_efficient_attention
+        self._bwd = torch.ops.aten._scaled_dot_product_efficient_attention_backward
+
+    def fwd(self, q, k, v, causal: bool, scale: float):
+        k, v = (expand_heads(t, q.shape[1], 1) for t in (k, v))
+        o, lse, _, _ = self._fwd(q, k, v, None, True, 0.0, causal, scale=scale)
+        return o, lse[..., : q.shape[2]]
+
+    def bwd(self, do, q, k, v, o, lse, causal: bool, scale: float):
+        kv_heads = k.shape[1]
+        k, v = (expand_heads(t, q.shape[1], 1) for t in (k, v))
+        pad = -q.shape[2] % 32
+        lse = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
+        zero = torch.zeros((), dtype=torch.long, device=q.device)
+        dq, dk, dv, _ = self._bwd(do, q, k, v, None, o, lse, zero, zero, 0.0, [True, True, True, False], causal, scale=scale)
+        groups = q.shape[1] // kv_heads
+        if groups > 1:
+            dk, dv = (fold_heads(t.float(), groups, 1).to(t.dtype) for t in (dk, dv))
+        return dq, dk, dv
+
+
+def fused_ops_for(device: torch.device):
+    """The fused ops for `device`; ``meta`` (shape-only dry runs) uses the CPU ops' meta kernels."""
+    if device.type in ("cpu", "meta"):
+        return CpuFusedOps()
+    if device.type == "cuda":
+        return CudaFusedOps()
+    raise ValueError(f"kernel='sdpa' supports cpu and cuda devices, got {device.type}")
