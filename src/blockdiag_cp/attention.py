@@ -56,6 +56,7 @@ def cp_blockdiag_sdpa(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
             scale=scale, enable_gqa=enable_gqa,
         )
+    query, key, value = autocast_inputs(query, key, value)
     signature = call_signature(query, key, value)
     if STEP_SLOT.needs_agreement(signature):
         _agree_on_call(state, signature, call_problem(state, query, key, value, enable_gqa))
@@ -91,6 +92,20 @@ def attend_in_step(
         query, scale = query * scale, 1.0
     out_HLD = state.exchange.attend(query.squeeze(0), key.squeeze(0), value.squeeze(0), kernel, scale, float(dropout_p))
     return out_HLD.unsqueeze(0)
+
+
+def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Under `torch.autocast`, the floating inputs in the autocast dtype, as SDPA takes them.
+
+    (Under autocast, Llama-style RoPE returns q/k in float32 while v is already in the
+    autocast dtype; SDPA casts all three, so a drop-in must too.) Without autocast the
+    inputs pass unchanged, and mismatched dtypes are an error later.
+    """
+    device_type = tensors[0].device.type
+    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in tensors)
 
 
 def call_signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> CallSignature:

@@ -20,6 +20,7 @@ from .doc_ids import resolve_doc_ids
 from .errors import CPTypeError
 from .agree import agree_across_ranks
 from .layout import ShardPlan
+from .rows import ROW_METADATA
 from .slot import STEP_SLOT
 from .state import StepState, build_step_state
 
@@ -42,7 +43,7 @@ SEQUENCE_KEYS: Mapping[str, Any] = MappingProxyType(
 
 #: Keys that describe the unsharded row (flattening collators); consumed for the
 #: document ids, then dropped because they are wrong for a shard.
-UNSHARDED_ROW_KEYS = ("attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+UNSHARDED_ROW_KEYS = ROW_METADATA
 
 
 def make_cp_blockdiag_batch_and_ctx(

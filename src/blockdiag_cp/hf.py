@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention import attend_in_step, cp_blockdiag_sdpa, refuse_late_recompute
+from .attention import attend_in_step, autocast_inputs, cp_blockdiag_sdpa, refuse_late_recompute
 from .config import CPConfig
 from .doc_ids import block_causal_mask, position_breaks, resolve_doc_ids
 from .slot import STEP_SLOT, current_step
@@ -129,6 +129,7 @@ def blockdiag_cp_attention(
     local = _packed_row_state(query, key, attention_mask, kwargs) if getattr(module, "is_causal", True) else None
     if local is not None:
         _refuse_unsupported(module, kwargs, lambda: local.geometry.longest_document)
+        query, key, value = autocast_inputs(query, key, value)
         out = attend_in_step(local, query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
     _refuse_unsupported(module, kwargs, lambda: None)

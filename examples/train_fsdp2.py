@@ -1,12 +1,16 @@
-"""Train a transformers causal LM with block-diagonal CP on a 2-D (dp x cp) DeviceMesh.
+"""Train a transformers causal LM with FSDP2 and block-diagonal CP on a (dp x cp) DeviceMesh.
 
-    torchrun --nproc-per-node 4 examples/train_hf.py --dp 2 --cp 2 --steps 10
+    torchrun --standalone --nproc-per-node 4 examples/train_fsdp2.py --dp 2 --cp 2 --steps 10
 
-gloo on CPU, NCCL on GPUs. Each dp replica trains on its own packed rows (Python's
-standard-library docstrings, byte-tokenized); the cp ranks of a replica share a row
-and shard it. The token-mean loss is reduced over all dp x cp ranks, gradients are
-summed over them, and gradient checkpointing is on. `single_process_losses` is the
-same training without any parallelism, in one process: the logged losses must agree.
+gloo on CPU, NCCL on GPUs (the torchtitan / NeMo pattern). The parameters are sharded
+with `fully_shard` over the flattened dp x cp mesh, so FSDP2 reduce-scatters (averages)
+every gradient over all dp x cp ranks; gradient checkpointing is on. Each dp replica
+trains on its own packed rows (Python standard-library docstrings, byte-tokenized); the
+cp ranks of a replica share a row and shard it. The loss handed to backward is
+``world * (this rank's token-loss sum) / (global token count)``: averaged over the
+world by FSDP2, the gradient is exactly that of the global token mean.
+`single_process_losses` is the same training without any parallelism, in one process:
+the logged losses must agree.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 import blockdiag_cp.hf  # noqa: F401  registers attn_implementation="blockdiag_cp"
 from blockdiag_cp import CPConfig, make_cp_blockdiag_batch_and_ctx
-from blockdiag_cp.tools.demo import make_model, pack_rows, stdlib_documents
 from blockdiag_cp.loss import add_shift_labels, token_mean_loss
+from blockdiag_cp.tools.demo import make_model, pack_rows, stdlib_documents
 
 
 def parse_args() -> argparse.Namespace:
@@ -62,6 +67,14 @@ def single_process_losses(dp: int, steps: int, seq_len: int, lr: float = 3e-3) -
     return losses
 
 
+def shard_model(model, mesh) -> None:
+    """FSDP2 over the flattened dp x cp mesh: each decoder layer, then the root."""
+    flat = mesh["dp", "cp"]._flatten("dp_cp")
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=flat)
+    fully_shard(model, mesh=flat)
+
+
 def main() -> None:
     args = parse_args()
     cuda = torch.cuda.is_available()
@@ -77,11 +90,9 @@ def main() -> None:
     dp_rank = mesh.get_local_rank("dp")
 
     model = make_model("blockdiag_cp", torch.float32).to(device)
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
+    shard_model(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     rows = replica_rows(dp_rank, args.steps, args.seq_len)
     config = CPConfig(layout=args.layout)
@@ -93,11 +104,10 @@ def main() -> None:
             logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
             targets = batch["shift_labels"][0]
             loss_sum = F.cross_entropy(logits[0].float(), targets, ignore_index=-100, reduction="sum")
-            loss, value = token_mean_loss(loss_sum, (targets != -100).sum(), group=None)  # all dp x cp ranks
+            # FSDP2 averages gradients over all dp x cp ranks: scale by the world (see the docstring)
+            loss, value = token_mean_loss(loss_sum, (targets != -100).sum(), group=None, grads_averaged_over=world)
             opt.zero_grad()
             loss.backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)  # SUM over dp x cp: the gradient of the global token mean
         opt.step()
         if dist.get_rank() == 0:
             work = state.work_per_rank()

@@ -1,0 +1,158 @@
+"""transformers' Trainer, TRL's SFTTrainer and FSDP2 under block-diagonal CP, each against the run without CP.
+
+The CP runs are real `torchrun` launches on gloo (the examples, as users run them);
+the runs without CP are the same stack in this process, on the batches of every dp
+replica (a single process sees exactly what the replicas see together).
+"""
+
+import importlib.util
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+def example(name):
+    sys.path.insert(0, str(EXAMPLES))
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def torchrun(nproc, script, *args, timeout=300):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           str(EXAMPLES / script), *args]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{\"")]
+
+
+def assert_same_run(cp_lines, reference, params_path, loss_tol, param_tol):
+    steps = [e for e in cp_lines if "step" in e]
+    assert len(steps) == len(reference["loss"]) >= 4, (steps, reference["loss"])
+    for got, want in zip(steps, reference["loss"]):
+        assert abs(got["loss"] - want) <= loss_tol * abs(want), (steps, reference["loss"])
+    for got, want in zip(steps, reference["grad_norm"]):
+        assert abs(got["grad_norm"] - want) <= 50 * loss_tol * abs(want), (steps, reference["grad_norm"])
+    evals = [e["eval_loss"] for e in cp_lines if "eval_loss" in e]
+    if reference.get("eval_loss") is not None:
+        assert evals and abs(evals[0] - reference["eval_loss"]) <= loss_tol * reference["eval_loss"]
+    params = torch.load(params_path)
+    relative = float((params - reference["params"]).norm() / reference["params"].norm())
+    assert relative <= param_tol, relative
+
+
+@pytest.mark.parametrize(
+    "nproc, flags",
+    [
+        (2, ["--collator", "flatten", "--checkpointing", "--evaluate"]),  # dp=1 x cp=2, padding-free rows
+        (4, ["--collator", "pad", "--checkpointing", "--layout", "contiguous"]),  # dp=2 x cp=2, padded B > 1 rows
+    ],
+    ids=["dp1xcp2-flatten", "dp2xcp2-padded"],
+)
+def test_trainer_equals_the_run_without_cp(tmp_path, nproc, flags):
+    trainer_example = example("train_trainer")
+    common = ["--steps", "4", "--accum", "2", *flags]
+    cp_lines = torchrun(nproc, "train_trainer.py", "--cp", "2", "--save", str(tmp_path / "p.pt"), *common)
+    reference = trainer_example.run(trainer_example.parse_args(["--cp", "0", "--dp", str(nproc // 2), *common]))
+    assert_same_run(cp_lines, reference, tmp_path / "p.pt", loss_tol=2e-4, param_tol=1e-5)
+
+
+def test_trainer_bf16_autocast_on_a_stream_equals_the_run_without_cp(tmp_path):
+    """dp=2 x cp=2, bf16 autocast, an iterable dataset (sharded over the dp replicas only)."""
+    trainer_example = example("train_trainer")
+    common = ["--steps", "4", "--accum", "2", "--bf16", "--evaluate", "--iterable"]
+    cp_lines = torchrun(4, "train_trainer.py", "--cp", "2", "--save", str(tmp_path / "p.pt"), *common)
+    reference = trainer_example.run(trainer_example.parse_args(["--cp", "0", "--dp", "2", *common]))
+    assert_same_run(cp_lines, reference, tmp_path / "p.pt", loss_tol=5e-3, param_tol=5e-3)
+
+
+def test_trl_sft_packing_equals_the_run_without_cp(tmp_path):
+    pytest.importorskip("trl")
+    sft_example = example("train_trl_sft")
+    common = ["--steps", "4", "--accum", "2"]
+    cp_lines = torchrun(2, "train_trl_sft.py", "--cp", "2", "--save", str(tmp_path / "p.pt"), *common)
+    reference = sft_example.run(sft_example.parse_args(["--cp", "0", *common]))
+    assert_same_run(cp_lines, reference, tmp_path / "p.pt", loss_tol=2e-4, param_tol=1e-5)
+
+
+def test_no_token_loss_leaks_across_packed_documents_under_cp():
+    """TRL issue 6843's probe: change one packed document's tokens; no other document's per-token loss moves."""
+    pytest.importorskip("trl")
+    lines = torchrun(2, "../tests/leak_probe.py")
+    (report,) = [e for e in lines if "changed_elsewhere" in e]
+    assert report["changed_inside"] > 0  # the edited document's own losses did change
+    assert report["changed_elsewhere"] == 0, report
+
+
+def test_fsdp2_example_equals_the_single_process_run():
+    fsdp2 = example("train_fsdp2")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           str(EXAMPLES / "train_fsdp2.py"), "--dp", "2", "--cp", "2", "--steps", "3", "--seq-len", "256"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    logged = [float(x) for x in re.findall(r"step \d+/\d+  loss ([0-9.]+)", result.stdout)]
+    reference = fsdp2.single_process_losses(dp=2, steps=3, seq_len=256)
+    assert len(logged) == 3
+    assert all(abs(a - b) <= 2e-4 * abs(b) for a, b in zip(logged, reference)), (logged, reference)
+
+
+def test_bad_settings_are_clear_errors():
+    from blockdiag_cp.trainer import BlockDiagCPTrainer
+
+    trainer_example = example("train_trainer")
+    args = trainer_example.training_arguments(trainer_example.parse_args([]), "/tmp/blockdiag_cp_test")
+    model = trainer_example.tiny_llama()
+    with pytest.raises(ValueError, match="must divide the world size"):
+        BlockDiagCPTrainer(model=model, args=args, train_dataset=trainer_example.documents(4), cp_size=2)
+    with pytest.raises(TypeError, match="cp_size must be an int"):
+        BlockDiagCPTrainer(model=model, args=args, cp_size="2")
+    with pytest.raises(ValueError, match=">= 1"):
+        BlockDiagCPTrainer(model=model, args=args, cp_size=0)
+    from accelerate import ParallelismConfig
+
+    args.parallelism_config = ParallelismConfig(cp_size=2)
+    with pytest.raises(ValueError, match="use one"):
+        BlockDiagCPTrainer(model=model, args=args, cp_size=1)
+
+
+def test_autocast_casts_like_sdpa_and_mismatches_still_raise():
+    from blockdiag_cp import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+
+    ids = torch.tensor([[1] * 5 + [2] * 3])
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": torch.zeros_like(ids), "_packed_seq_ids": ids})
+    q = torch.randn(1, 2, 8, 4)
+    v = torch.randn(1, 2, 8, 4).bfloat16()
+    with ctx(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = cp_blockdiag_sdpa(q, q, v)  # RoPE left q/k in float32, v is bfloat16
+    assert out.dtype == torch.bfloat16
+    q_doc, v_doc = q[:, :, :5].bfloat16(), v[:, :, :5]
+    expected = torch.nn.functional.scaled_dot_product_attention(q_doc, q_doc, v_doc, is_causal=True)
+    assert torch.allclose(out[:, :, :5].float(), expected.float(), atol=2e-2)
+    with ctx(), pytest.raises(ValueError, match="dtypes differ"):
+        cp_blockdiag_sdpa(q, q, v)
+
+
+def test_flatten_rows_keeps_documents_inside_rows():
+    from blockdiag_cp.rows import flatten_rows
+
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]]),
+             "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]),
+             "labels": torch.tensor([[5, 6, 7, -100], [8, 9, -100, -100]])}
+    flat = flatten_rows(batch)
+    assert flat["input_ids"].tolist() == [[5, 6, 7, 0, 8, 9, 0, 0]]
+    assert flat["_packed_seq_ids"].tolist() == [[1, 1, 1, 0, 2, 2, 0, 0]]
+    assert flat["shift_labels"].tolist() == [[6, 7, -100, -100, 9, -100, -100, -100]]  # no target crosses a row
+    assert flat["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
+    assert "attention_mask" not in flat
