@@ -6,7 +6,7 @@ import torch
 from blockdiag_cp.kernels import DenseKernel, ItemAttention, ItemTable, SdpaKernel, merge_partial
 
 
-def random_items(seed, L=40, N=60):
+def random_items(seed, L=40, N=60, window=None):
     """Disjoint query runs; each sees a random key range, causal (bottom-right) or full."""
     g = torch.Generator().manual_seed(seed)
     q_start, q_len, k_start, k_len, causal = [], [], [], [], []
@@ -22,7 +22,7 @@ def random_items(seed, L=40, N=60):
             lst.append(val)
         row += ql + int(torch.randint(0, 3, (1,), generator=g))
     t = lambda x: torch.tensor(x, dtype=torch.long)
-    return ItemTable(t(q_start), t(q_len), t(k_start), t(k_len), torch.tensor(causal), L, N)
+    return ItemTable(t(q_start), t(q_len), t(k_start), t(k_len), torch.tensor(causal), L, N, window)
 
 
 def direct(items, q, k, v, scale):
@@ -41,9 +41,10 @@ def direct(items, q, k, v, scale):
 @pytest.mark.parametrize("kernel", [DenseKernel(), SdpaKernel()], ids=["dense", "sdpa"])
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)])
-def test_kernel_matches_direct_softmax_forward_and_backward(kernel, seed, heads):
+@pytest.mark.parametrize("window", [None, 1, 3, 8])
+def test_kernel_matches_direct_softmax_forward_and_backward(kernel, seed, heads, window):
     H, Hk = heads
-    items = random_items(seed)
+    items = random_items(seed, window=window)
     g = torch.Generator().manual_seed(100 + seed)
     q = torch.randn(H, 40, 8, generator=g, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(Hk, 60, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))

@@ -31,6 +31,10 @@ def cp_blockdiag_sdpa(
     is_causal: bool = False,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
+    *,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
     **kwargs,
 ) -> torch.Tensor:
     """Scaled dot-product attention; per-document causal CP attention inside a step.
@@ -44,26 +48,41 @@ def cp_blockdiag_sdpa(
         scale: softmax scale, default ``1 / sqrt(D)``.
         enable_gqa: allow ``Hk < H`` (as in SDPA); inside a step equal heads or
             ``enable_gqa=True`` are required when ``Hk != H``.
+        sliding_window: a query sees only its document's keys at positions
+            ``(q - sliding_window, q]`` (transformers' convention; Mistral, Gemma, ...).
+        softcap: logits become ``softcap * tanh(logit / softcap)`` (Gemma 2).
+        sinks: ``[H]`` learned logits, one per head, added to every row's softmax
+            denominator (gpt-oss); they receive a gradient.
         **kwargs: accepted for signature compatibility with callers; unused.
+
+    The three layer features exist inside a step only (stock SDPA has none).
 
     Returns:
         ``[1, H, L, D]``, dtype of `query`. Padding rows are zeros.
     """
     state = STEP_SLOT.current()
+    features = (sliding_window, softcap, sinks)
     if state is None:
         refuse_late_recompute(query, key, value)
+        if any(f is not None for f in features):
+            raise ValueError(
+                "sliding_window, softcap and sinks work inside a block-diagonal CP step (or through "
+                "attn_implementation='blockdiag_cp'); outside one, cp_blockdiag_sdpa is stock SDPA, which has none"
+            )
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
             scale=scale, enable_gqa=enable_gqa,
         )
     query, key, value = autocast_inputs(query, key, value)
-    signature = call_signature(query, key, value)
+    signature = call_signature(query, key, value, *features)
     if STEP_SLOT.needs_agreement(signature):
-        _agree_on_call(state, signature, call_problem(state, query, key, value, enable_gqa))
+        problem = call_problem(state, query, key, value, enable_gqa) or features_problem(query, *features)
+        _agree_on_call(state, signature, problem)
     step_id = STEP_SLOT.note_call(signature)
     if query.requires_grad or key.requires_grad or value.requires_grad:
         query, key, value = _MarkStepBackward.apply(step_id, query, key, value)
-    return attend_in_step(state, query, key, value, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
+    return attend_in_step(state, query, key, value, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa,
+                          sliding_window=sliding_window, softcap=softcap, sinks=sinks)
 
 
 def attend_in_step(
@@ -75,22 +94,28 @@ def attend_in_step(
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Per-document causal attention of this rank's ``[1, H, L, D]`` shards under `state`.
 
     Legal inputs that a fused kernel would get wrong are normalised first (host-side
     decisions, no synchronisation): a last dimension that is not unit-stride is copied
-    contiguous, and a scale <= 0 is folded into the queries.
+    contiguous, and a scale <= 0 is folded into the queries. A sliding window selects
+    the routing and call tables of its layer kind (`StepState.exchange_for`).
     """
-    problem = call_problem(state, query, key, value, enable_gqa)
+    problem = call_problem(state, query, key, value, enable_gqa) or features_problem(query, sliding_window, softcap, sinks)
     if problem is not None:
         raise problem
-    kernel = _kernel_for(state, query, float(dropout_p))
+    kernel = _kernel_for(state, query, float(dropout_p), softcap=softcap, sinks=sinks is not None)
+    exchange = state.exchange_for(sliding_window)
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     if scale <= 0.0:  # softmax((s q) k^T) with scale 1: the fused CPU kernel mishandles s <= 0
         query, scale = query * scale, 1.0
-    out_HLD = state.exchange.attend(query.squeeze(0), key.squeeze(0), value.squeeze(0), kernel, scale, float(dropout_p))
+    q, k, v = query.squeeze(0), key.squeeze(0), value.squeeze(0)
+    out_HLD = exchange.attend(q, k, v, kernel, scale, float(dropout_p), softcap=softcap, sinks=sinks)
     return out_HLD.unsqueeze(0)
 
 
@@ -108,19 +133,39 @@ def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in tensors)
 
 
-def call_signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> CallSignature:
-    """What every rank's call must share: the shapes and dtypes of q, k and v."""
-    return (tuple(query.shape), tuple(key.shape), tuple(value.shape), query.dtype, key.dtype, value.dtype)
+def call_signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sliding_window=None, softcap=None,
+                   sinks=None) -> CallSignature:
+    """What every rank's call must share: the shapes and dtypes of q, k and v, and the layer's features."""
+    sinks_shape = None if not isinstance(sinks, torch.Tensor) else tuple(sinks.shape)
+    return (tuple(query.shape), tuple(key.shape), tuple(value.shape), query.dtype, key.dtype, value.dtype,
+            sliding_window, softcap, sinks_shape)
+
+
+def features_problem(query: torch.Tensor, sliding_window, softcap, sinks) -> Optional[ValueError]:
+    """The `ValueError` these layer features deserve (None when they are valid)."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        return ValueError(f"sliding_window must be a positive int (keys (q - w, q]), got {sliding_window!r}")
+    if softcap is not None and (not isinstance(softcap, (int, float)) or not softcap > 0):
+        return ValueError(f"softcap must be a positive number, got {softcap!r}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or sinks.shape != (query.shape[1],):
+            shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+            return ValueError(f"sinks must be one logit per query head, [{query.shape[1]}], got {shape}")
+        if sinks.device != query.device:
+            return ValueError(f"sinks are on {sinks.device}, the queries on {query.device}")
+    return None
 
 
 def _agree_on_call(state: StepState, signature: CallSignature, problem: Optional[ValueError]) -> None:
     """First call of a signature in this step: every rank checks it passes the same (Note [Ranks agree])."""
     if state.group is not None and state.world > 1 and state.config.check_ranks_agree:
         shapes = [d for shape in signature[:3] for d in (*shape, *(-1,) * (4 - len(shape)))[:4]]
-        dtypes = [zlib.crc32(str(dtype).encode()) for dtype in signature[3:]]
+        others = [zlib.crc32(repr(x).encode()) for x in signature[3:]]
         agree_across_ranks(
-            state.group, state.device, [len(s) for s in signature[:3]] + shapes + dtypes, problem,
-            "attention call (query/key/value shapes and dtypes)", "ranks of q/k/v, q shape, k shape, v shape, dtype crcs",
+            state.group, state.device, [len(s) for s in signature[:3]] + shapes + others, problem,
+            "attention call (query/key/value shapes and dtypes, window, softcap, sinks)",
+            "ranks of q/k/v, q shape, k shape, v shape, crcs of the dtypes and features",
         )
     if problem is not None:
         raise problem
@@ -189,7 +234,7 @@ def call_problem(state: StepState, query, key, value, enable_gqa: bool) -> Optio
     return None
 
 
-def _kernel_for(state: StepState, query: torch.Tensor, dropout_p: float):
+def _kernel_for(state: StepState, query: torch.Tensor, dropout_p: float, softcap=None, sinks: bool = False):
     """The first of the step's kernels that accepts this call (the same on every rank).
 
     An explicitly requested kernel has no fallbacks, so its refusal is raised as is.
@@ -200,6 +245,10 @@ def _kernel_for(state: StepState, query: torch.Tensor, dropout_p: float):
     for kernel in (state.kernel, *state.fallback_kernels):
         if dropout_p > 0.0 and not kernel.supports_dropout:
             refusals.append(f"kernel={kernel.name!r} has no attention dropout")
+            continue
+        lacking = kernel.feature_problem(softcap=softcap, sinks=sinks)
+        if lacking is not None:
+            refusals.append(lacking)
             continue
         try:
             kernel.check(query[0], dropout_p)

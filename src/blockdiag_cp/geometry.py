@@ -11,12 +11,20 @@ that ``j`` owns (one scatter-max over the row), ``need[j, g] = g <= last[j, doc(
 so rank ``j`` needs one prefix of each document: the ranges ``[start(d), last[j, d]]``.
 Planning works with those ranges and evaluates ``need`` only at the positions it asks
 about (`need_at`), never materializing the ``[W, S]`` matrix on the planning path.
+
+Under a sliding window ``w`` a query at ``g`` sees only ``(g - w, g]`` of its document,
+so a piece of rank ``j`` (positions ``[g0, g1)``) needs ``[max(start(d), g0 - w + 1), g1)``:
+the union of those ranges over ``j``'s pieces is what it needs (`Needs`, one per
+window, built on first use). A window of 4096 over a 128k document needs 4095 keys
+before each piece, not the whole prefix.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 
@@ -45,6 +53,43 @@ class Pieces:
 
 
 @dataclass(frozen=True)
+class Needs:
+    """The keys each rank's queries see under one window: sorted, disjoint ranges per rank.
+
+    ``lo[j]``, ``hi[j]``: ``[n_j]`` int64: rank ``j`` needs the positions of ``[lo, hi)``.
+    """
+
+    window: Optional[int]
+    lo: tuple[torch.Tensor, ...]
+    hi: tuple[torch.Tensor, ...]
+
+    def positions(self, rank: int) -> torch.Tensor:
+        """Sorted positions rank `rank` needs (its own included)."""
+        return concat_ranges(self.lo[rank], self.hi[rank] - self.lo[rank])
+
+    def at(self, positions: torch.Tensor) -> torch.Tensor:
+        """``[W, n]`` bool: which ranks need the keys at `positions` ``[n]``."""
+        rows = []
+        for lo, hi in zip(self.lo, self.hi):
+            index = torch.searchsorted(lo, positions, right=True) - 1
+            inside = index >= 0
+            rows.append(inside & (positions < hi.index_select(0, index.clamp(min=0))) if lo.numel() else inside)
+        return torch.stack(rows)
+
+    def transfer(self, positions_WL: torch.Tensor) -> torch.Tensor:
+        """``[W (dst), W (src)]``: rows ``dst`` needs that ``src`` owns (0 on the diagonal)."""
+        W = positions_WL.shape[0]
+        counts = torch.zeros(W, W, dtype=torch.long)
+        for dst in range(W):
+            for src in range(W):
+                if src != dst and self.lo[dst].numel():
+                    owned = positions_WL[src]
+                    inside = torch.searchsorted(owned, self.hi[dst]) - torch.searchsorted(owned, self.lo[dst])
+                    counts[dst, src] = int(inside.sum())
+        return counts
+
+
+@dataclass(frozen=True)
 class StepGeometry:
     """Replicated per-step facts. All tensors are CPU int64/bool.
 
@@ -68,6 +113,8 @@ class StepGeometry:
     run: torch.Tensor
     run_start: torch.Tensor
     last_by_run: torch.Tensor
+    _needs: dict = field(default_factory=dict, compare=False, repr=False)
+    _lock: Any = field(default_factory=threading.Lock, compare=False, repr=False)
 
     @staticmethod
     def build(plan: ShardPlan, doc_ids_S: torch.Tensor) -> "StepGeometry":
@@ -82,8 +129,37 @@ class StepGeometry:
     def world(self) -> int:
         return self.plan.world
 
-    def need_at(self, positions: torch.Tensor) -> torch.Tensor:
-        """``[W, n]`` bool: which ranks' queries see the keys at `positions` ``[n]``."""
+    def needs(self, window: Optional[int] = None) -> Needs:
+        """Who needs which keys under `window` (None: full causal), built once per step and window."""
+        with self._lock:
+            if window not in self._needs:
+                self._needs[window] = self._full_causal_needs() if window is None else self._windowed_needs(window)
+            return self._needs[window]
+
+    def _full_causal_needs(self) -> Needs:
+        """Rank j needs ``[start(d), last[j, d]]`` of each document d it holds queries of."""
+        lo, hi = [], []
+        for last in self.last_by_run:
+            seen = last >= 0
+            lo.append(self.run_start[seen])
+            hi.append(last[seen] + 1)
+        return Needs(None, tuple(lo), tuple(hi))
+
+    def _windowed_needs(self, window: int) -> Needs:
+        """The union, per rank, of ``[max(start(d), g0 - w + 1), g1)`` over its pieces."""
+        lo, hi = [], []
+        for rank in range(self.world):
+            pieces = self.pieces(rank)
+            first = torch.maximum(pieces.doc_start, pieces.global_start - window + 1)
+            lo_r, hi_r = _merge_ranges(first, pieces.global_start + pieces.length)
+            lo.append(lo_r)
+            hi.append(hi_r)
+        return Needs(window, tuple(lo), tuple(hi))
+
+    def need_at(self, positions: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
+        """``[W, n]`` bool: which ranks' queries see the keys at `positions` ``[n]`` (under `window`)."""
+        if window is not None:
+            return self.needs(window).at(positions)
         last = self.last_by_run.index_select(1, self.run.index_select(0, positions))
         return (positions.unsqueeze(0) <= last) & (self.doc_ids.index_select(0, positions) != 0).unsqueeze(0)
 
@@ -112,11 +188,9 @@ class StepGeometry:
         real = self.doc_ids[self.run_start] != 0
         return int(lengths[real].max()) if bool(real.any()) else 0
 
-    def needed_positions(self, rank: int) -> torch.Tensor:
-        """Sorted positions whose keys `rank`'s queries see (owned ones included)."""
-        last = self.last_by_run[rank]
-        seen = last >= 0
-        return concat_ranges(self.run_start[seen], last[seen] - self.run_start[seen] + 1)
+    def needed_positions(self, rank: int, window: Optional[int] = None) -> torch.Tensor:
+        """Sorted positions whose keys `rank`'s queries see (owned ones included), under `window`."""
+        return self.needs(window).positions(rank)
 
     @functools.cached_property
     def gathered_row(self) -> torch.Tensor:
@@ -125,19 +199,24 @@ class StepGeometry:
 
     @functools.cached_property
     def transfer(self) -> torch.Tensor:
-        """``[W (dst), W (src)]`` int64: rows ``dst`` needs that ``src`` owns (0 on the diagonal).
+        """``[W (dst), W (src)]`` int64: rows ``dst`` needs that ``src`` owns (0 on the diagonal)."""
+        return self.transfer_under(None)
 
-        Counted from the ranges: src's sorted positions inside ``[start(d), last[dst, d]]``.
-        """
-        seen = self.last_by_run >= 0  # [W, runs]
-        lo = self.run_start.expand_as(self.last_by_run)[seen]
-        hi = self.last_by_run[seen] + 1
-        dst = torch.arange(self.world).unsqueeze(1).expand_as(self.last_by_run)[seen]
-        counts = []
-        for positions in self.plan.positions_WL:
-            inside = torch.searchsorted(positions, hi) - torch.searchsorted(positions, lo)
-            counts.append(torch.zeros(self.world, dtype=torch.long).index_add_(0, dst, inside))
-        return torch.stack(counts, dim=1).fill_diagonal_(0)
+    def transfer_under(self, window: Optional[int]) -> torch.Tensor:
+        """`transfer` under a sliding `window` (None: full causal)."""
+        return self.needs(window).transfer(self.plan.positions_WL)
+
+
+def _merge_ranges(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Disjoint sorted ranges covering the union of ``[lo, hi)`` (given with `lo` ascending)."""
+    if lo.numel() == 0:
+        return lo, hi
+    reach = torch.cummax(hi, dim=0).values
+    new = torch.ones_like(lo, dtype=torch.bool)
+    new[1:] = lo[1:] > reach[:-1]
+    group = torch.cumsum(new.long(), dim=0) - 1
+    merged_hi = torch.zeros(int(group[-1]) + 1, dtype=hi.dtype).scatter_reduce_(0, group, hi, reduce="amax")
+    return lo[new], merged_hi
 
 
 def _last_query_by_run(positions_WL: torch.Tensor, ids: torch.Tensor, run: torch.Tensor, runs: int) -> torch.Tensor:

@@ -8,8 +8,9 @@ makes a state the active one is in slot.py.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,9 +34,18 @@ class CallNotes:
 
     def __init__(self) -> None:
         self._fallbacks: dict[str, str] = {}
+        self._kinds: dict[int, tuple[str, str]] = {}
 
     def record_fallback(self, kernel: str, reason: str) -> None:
         self._fallbacks.setdefault(reason, kernel)
+
+    def record_kind(self, window: int, exchange: str, reason: str) -> None:
+        self._kinds[window] = (exchange, reason)
+
+    @property
+    def window_exchanges(self) -> dict[int, tuple[str, str]]:
+        """``{window: (exchange, reason)}`` for the sliding-window layer kinds of the step."""
+        return dict(self._kinds)
 
     @property
     def kernel_fallbacks(self) -> dict[str, str]:
@@ -57,6 +67,10 @@ class StepState:
         fallback_kernels: with ``kernel="auto"``, kernels tried in order when `kernel`
             refuses a call (attention dropout, a dtype it lacks); empty otherwise.
         call_notes: the fallbacks that calls actually took, with their reasons.
+
+    `exchange` serves full-causal layers; a layer kind with a sliding window gets its
+    own routing and call tables from `exchange_for` (built on its first call in the
+    step, then reused by every layer of that kind).
     """
 
     config: CPConfig
@@ -71,6 +85,26 @@ class StepState:
     kernel_reason: str
     fallback_kernels: tuple[AttentionKernel, ...]
     call_notes: CallNotes = field(default_factory=CallNotes, compare=False, repr=False)
+    _kinds: dict = field(default_factory=dict, compare=False, repr=False)
+    _kinds_lock: Any = field(default_factory=threading.Lock, compare=False, repr=False)
+
+    def effective_window(self, window: Optional[int]) -> Optional[int]:
+        """`window`, or None when it cannot cut any document of the row (it changes nothing)."""
+        return None if window is None or window >= self.geometry.longest_document else int(window)
+
+    def exchange_for(self, window: Optional[int]) -> KVExchange:
+        """The exchange of the layers with this sliding window (the same on every rank)."""
+        window = self.effective_window(window)
+        if window is None:
+            return self.exchange
+        with self._kinds_lock:
+            if window not in self._kinds:
+                setup = ExchangeSetup(self.geometry, self.rank, self.group, (self.kernel, *self.fallback_kernels),
+                                      self.device, window)
+                exchange, reason = build_exchange(self.config.kv_exchange, setup)
+                self.call_notes.record_kind(window, exchange.name, reason)
+                self._kinds[window] = exchange
+            return self._kinds[window]
 
     @property
     def plan(self) -> ShardPlan:

@@ -28,16 +28,31 @@ from .doc_ids import block_causal_mask
 
 
 def oracle_attention(
-    q_HSD: torch.Tensor, k_HSD: torch.Tensor, v_HSD: torch.Tensor, doc_ids_S: torch.Tensor, scale: float
+    q_HSD: torch.Tensor, k_HSD: torch.Tensor, v_HSD: torch.Tensor, doc_ids_S: torch.Tensor, scale: float,
+    window: Optional[int] = None, softcap: Optional[float] = None, sinks_H: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Dense block-causal attention of the whole row (``[H, S, D]``, GQA allowed); padding rows are 0."""
+    """Dense block-causal attention of the whole row (``[H, S, D]``, GQA allowed); padding rows are 0.
+
+    Optionally with a sliding `window` (keys ``(q - w, q]``), logit `softcap`, and `sinks_H`
+    (one extra logit per head in every row's softmax denominator), written the plain way.
+    """
     mask_SS = block_causal_mask(doc_ids_S.reshape(1, -1))[0]
+    if window is not None:
+        S = mask_SS.shape[0]
+        mask_SS = mask_SS & torch.ones(S, S, dtype=torch.bool, device=mask_SS.device).triu(-(window - 1))
     groups = q_HSD.shape[0] // k_HSD.shape[0]
     k = k_HSD.repeat_interleave(groups, dim=0)
     v = v_HSD.repeat_interleave(groups, dim=0)
     scores = torch.matmul(q_HSD, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~mask_SS, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    if sinks_H is not None:
+        sink = sinks_H.to(scores.dtype).reshape(-1, 1, 1).expand(-1, scores.shape[1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        probs = probs.masked_fill(~mask_SS, 0.0)
+    else:
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     return torch.matmul(probs, v)
 
 
@@ -68,6 +83,9 @@ class ParityCase:
     dtype: str = "float64"
     seed: int = 0
     device: str = "cpu"
+    window: Optional[int] = None  # sliding window (keys (q - w, q])
+    softcap: Optional[float] = None
+    sinks: bool = False  # one learned logit per head (its gradient is checked too)
 
     @property
     def doc_ids(self) -> torch.Tensor:
@@ -92,15 +110,17 @@ class ParityResult:
     input_grad: Optional[torch.Tensor] = None
 
 
-def _case_tensors(case: ParityCase) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full-row inputs ``[1, S, (H + 2 Hk) D]`` and upstream gradient ``[H, S, D]`` (same on every rank)."""
+def _case_tensors(case: ParityCase) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Full-row inputs ``[1, S, (H + 2 Hk) D]``, upstream gradient ``[H, S, D]`` and sinks ``[H]`` (or None),
+    the same on every rank."""
     gen = torch.Generator().manual_seed(1000 + case.seed)
     S = case.doc_ids.numel()
     width = (case.heads + 2 * case.kv_heads) * case.head_dim
     dtype = getattr(torch, case.dtype)
     x = torch.randn(1, S, width, generator=gen, dtype=torch.float64).to(device=case.device, dtype=dtype)
     grad = torch.randn(case.heads, S, case.head_dim, generator=gen, dtype=torch.float64)
-    return x, grad.to(case.device)
+    sinks = torch.randn(case.heads, generator=gen, dtype=torch.float64).to(case.device, dtype) if case.sinks else None
+    return x, grad.to(case.device), sinks
 
 
 def _split_qkv(x_1SX: torch.Tensor, case: ParityCase) -> tuple[torch.Tensor, ...]:
@@ -110,24 +130,28 @@ def _split_qkv(x_1SX: torch.Tensor, case: ParityCase) -> tuple[torch.Tensor, ...
     return tuple(t.reshape(1, t.shape[1], -1, D).transpose(1, 2) for t in (q, k, v))
 
 
-def oracle_case(case: ParityCase, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Oracle output ``[H, S, D]`` and input gradient ``[1, S, X]`` computed in `dtype`, as float64.
+def oracle_case(case: ParityCase, dtype: torch.dtype = torch.float64):
+    """Oracle output ``[H, S, D]``, input gradient ``[1, S, X]`` and sinks gradient ``[H]`` (or None),
+    computed in `dtype`, as float64.
 
     In float64 this is the ground truth; in the case's low precision it is the dense
     reference's own rounding error, the yardstick for low-precision tolerances.
     """
-    x, grad = _case_tensors(case)
+    x, grad, sinks = _case_tensors(case)
     x = x.to(dtype).requires_grad_(True)
+    sinks = None if sinks is None else sinks.to(dtype).requires_grad_(True)
     q, k, v = _split_qkv(x, case)
-    out = oracle_attention(q[0], k[0], v[0], case.doc_ids.to(x.device), 1.0 / math.sqrt(case.head_dim))
+    out = oracle_attention(q[0], k[0], v[0], case.doc_ids.to(x.device), 1.0 / math.sqrt(case.head_dim),
+                           case.window, case.softcap, sinks)
     (out.to(torch.float64) * grad).sum().backward()
-    return out.detach().to(torch.float64), x.grad.to(torch.float64)
+    sinks_grad = None if sinks is None else sinks.grad.to(torch.float64)
+    return out.detach().to(torch.float64), x.grad.to(torch.float64), sinks_grad
 
 
 def reference_error(case: ParityCase) -> tuple[float, float]:
     """Max output and gradient error of the dense reference run in the case's dtype."""
-    out64, grad64 = oracle_case(case)
-    out_lo, grad_lo = oracle_case(case, getattr(torch, case.dtype))
+    out64, grad64, _ = oracle_case(case)
+    out_lo, grad_lo, _ = oracle_case(case, getattr(torch, case.dtype))
     return float((out_lo - out64).abs().max()), float((grad_lo - grad64).abs().max())
 
 
@@ -135,15 +159,17 @@ def run_parity_case(case: ParityCase, cp_mesh) -> ParityResult:
     """Run `case` on this rank of `cp_mesh` (None: one process) and compare with the oracle."""
     from . import CPConfig, cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 
-    x, grad = _case_tensors(case)
+    x, grad, sinks = _case_tensors(case)
     x.requires_grad_(True)
+    sinks = None if sinks is None else sinks.requires_grad_(True)
     config = CPConfig(kv_exchange=case.kv_exchange, kernel=case.kernel, layout=case.layout)
     batch = {"inputs_embeds": x, "_packed_seq_ids": case.doc_ids.unsqueeze(0).to(x.device)}
     train_ctx, batch = make_cp_blockdiag_batch_and_ctx(cp_mesh, None, batch, config=config)
     with train_ctx() as state:
         positions = state.positions
         q, k, v = _split_qkv(batch["inputs_embeds"], case)
-        attend = lambda q, k, v: cp_blockdiag_sdpa(q, k, v, enable_gqa=True)
+        attend = lambda q, k, v: cp_blockdiag_sdpa(q, k, v, enable_gqa=True, sliding_window=case.window,
+                                                   softcap=case.softcap, sinks=sinks)
         if case.checkpoint is None:
             out = attend(q, k, v)
         else:
@@ -156,17 +182,23 @@ def run_parity_case(case: ParityCase, cp_mesh) -> ParityResult:
         grad_local[:, real] = grad[:, positions[real]]
         (out[0].to(torch.float64) * grad_local).sum().backward()
     x_grad = x.grad.to(torch.float64)
+    sinks_grad = None if sinks is None else sinks.grad.to(torch.float64)
     if cp_mesh is not None and cp_mesh.size() > 1:
         dist.all_reduce(x_grad, group=cp_mesh.get_group())
-    ref_out, ref_grad = oracle_case(case)
+        if sinks_grad is not None:
+            dist.all_reduce(sinks_grad, group=cp_mesh.get_group())
+    ref_out, ref_grad, ref_sinks_grad = oracle_case(case)
+    grad_err = float((x_grad - ref_grad).abs().max())
+    if sinks_grad is not None:
+        grad_err = max(grad_err, float((sinks_grad - ref_sinks_grad).abs().max()))
     expected = torch.zeros(case.heads, positions.numel(), case.head_dim, dtype=torch.float64, device=x.device)
     expected[:, real] = ref_out[:, positions[real]]
     t = state.traffic
     return ParityResult(
         case,
         out_err=float((out[0].detach().to(torch.float64) - expected).abs().max()),
-        grad_err=float((x_grad - ref_grad).abs().max()),
-        exchange=state.exchange.name,
+        grad_err=grad_err,
+        exchange=state.exchange_for(case.window).name,
         kernel=state.kernel.name,
         traffic_rows=(t.sent_fwd, t.recv_fwd, t.sent_bwd, t.recv_bwd),
         output=out[0].detach().to(torch.float64).cpu(),

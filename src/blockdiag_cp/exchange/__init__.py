@@ -32,6 +32,10 @@ def build_exchange(requested: str, setup: ExchangeSetup) -> tuple[KVExchange, st
         warnings.warn(f"blockdiag-cp kv_exchange: {reason}")
         return AllToAllExchange(setup), reason
     if requested == "ring":
+        if setup.window is not None:
+            reason = f"ring requested but these layers use a sliding window ({setup.window}): using a2a (exact, needed-only)"
+            warnings.warn(f"blockdiag-cp kv_exchange: {reason}")
+            return AllToAllExchange(setup), reason
         return RingExchange(setup), "requested"
     ensure(requested == "auto", f"unknown kv_exchange {requested!r} passed CPConfig")
     return _auto(setup)
@@ -39,7 +43,7 @@ def build_exchange(requested: str, setup: ExchangeSetup) -> tuple[KVExchange, st
 
 def _auto(setup: ExchangeSetup) -> tuple[KVExchange, str]:
     """The cheapest exact exchange: needed-only rows, over the fewest messages."""
-    transfer = setup.geometry.transfer
+    transfer = setup.geometry.transfer_under(setup.window)
     if not bool(transfer.any()):
         return AllToAllExchange(setup), "auto: no document crosses a rank boundary; no communication"
     if halo_unsupported_reason(setup) is None:

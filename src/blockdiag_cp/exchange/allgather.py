@@ -18,7 +18,7 @@ class AllGatherExchange(BufferExchange):
 
     def __init__(self, setup: ExchangeSetup) -> None:
         geometry, L, W = setup.geometry, setup.local_len, setup.world
-        needed = geometry.needed_positions(setup.rank)
+        needed = geometry.needed_positions(setup.rank, setup.window)
         self.group, self._world = setup.group, W
         self._moved = (W - 1) * L
         if geometry.plan.layout == "contiguous":

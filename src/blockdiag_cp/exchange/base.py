@@ -12,13 +12,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Mapping, Optional
 
 import torch
 
 from ..errors import ensure
 from ..geometry import Pieces, StepGeometry
 from ..kernels import AttentionKernel, ItemTable
+from ..kernels.base import add_sinks, sinks_grad
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class ExchangeSetup:
     group: Any
     kernels: tuple[AttentionKernel, ...]
     device: torch.device
+    window: Optional[int] = None  # the sliding window of the layers this routing serves
 
     @property
     def world(self) -> int:
@@ -77,8 +79,13 @@ class KVExchange(ABC):
     def attend(
         self, q_HLD: torch.Tensor, k_HLD: torch.Tensor, v_HLD: torch.Tensor,
         kernel: AttentionKernel, scale: float, dropout_p: float,
+        softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """``o [H, L, D]``: attention of the local queries over the keys they may see."""
+        """``o [H, L, D]``: attention of the local queries over the keys they may see.
+
+        `softcap` caps the logits (``cap * tanh(s / cap)``); `sinks` ``[H]`` adds one
+        learned logit per head to every row's softmax denominator (an LSE kernel).
+        """
 
 
 def fuse_kv(k_HLD: torch.Tensor, v_HLD: torch.Tensor) -> torch.Tensor:
@@ -91,21 +98,27 @@ def split_kv(kv_N2HD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return kv_N2HD[:, 0].transpose(0, 1), kv_N2HD[:, 1].transpose(0, 1)
 
 
-def items_over_buffer(pieces: Pieces, buffer_positions: torch.Tensor, num_q_rows: int) -> ItemTable:
+def items_over_buffer(
+    pieces: Pieces, buffer_positions: torch.Tensor, num_q_rows: int, window: Optional[int] = None
+) -> ItemTable:
     """Items for `pieces` over a key buffer holding `buffer_positions` (sorted), in order.
 
-    Each piece sees its document's keys up to its last position, bottom-right causal;
-    the buffer must hold that whole range.
+    Each piece sees its document's keys up to its last position (the last ``window - 1``
+    before its first query and on, under a sliding window), bottom-right causal; the
+    buffer must hold that whole range.
     """
     g_end = pieces.global_start + pieces.length
-    k_start = torch.searchsorted(buffer_positions, pieces.doc_start)
-    k_len = g_end - pieces.doc_start
+    first = pieces.doc_start if window is None else torch.maximum(pieces.doc_start, pieces.global_start - window + 1)
+    k_start = torch.searchsorted(buffer_positions, first)
+    k_len = g_end - first
     if pieces.count:
         last = k_start + k_len - 1
         ensure(int(last.max()) < buffer_positions.numel(), "key buffer lacks a needed range")
         ensure(torch.equal(buffer_positions[last], g_end - 1), "key buffer range is not contiguous")
     causal = torch.ones(pieces.count, dtype=torch.bool)
-    return ItemTable(pieces.local_start, pieces.length, k_start, k_len, causal, num_q_rows, buffer_positions.numel())
+    return ItemTable(
+        pieces.local_start, pieces.length, k_start, k_len, causal, num_q_rows, buffer_positions.numel(), window
+    )
 
 
 class BufferExchange(KVExchange):
@@ -120,7 +133,7 @@ class BufferExchange(KVExchange):
     def __init__(self, setup: ExchangeSetup, buffer_positions: torch.Tensor) -> None:
         self.buffer_positions = buffer_positions
         self.local_len = setup.local_len
-        self.items = items_over_buffer(setup.pieces(), buffer_positions, setup.local_len)
+        self.items = items_over_buffer(setup.pieces(), buffer_positions, setup.local_len, setup.window)
         self.kernel_calls: Mapping[str, Any] = MappingProxyType(
             {k.name: k.prepare(self.items, setup.device) for k in setup.kernels}
         )
@@ -133,13 +146,15 @@ class BufferExchange(KVExchange):
     def scatter_grads(self, d_buffer_N2HD: torch.Tensor) -> torch.Tensor:
         """The adjoint: buffer gradients ``[N, 2, Hk, D]`` -> local-row gradients ``[L, 2, Hk, D]``."""
 
-    def attend(self, q_HLD, k_HLD, v_HLD, kernel, scale, dropout_p):
+    def attend(self, q_HLD, k_HLD, v_HLD, kernel, scale, dropout_p, softcap=None, sinks=None):
         calls = self.kernel_calls[kernel.name]
         if kernel.supports_lse:
-            return BufferAttention.apply(q_HLD, k_HLD, v_HLD, self, kernel, calls, scale, dropout_p)
+            options = (scale, dropout_p, softcap)
+            return BufferAttention.apply(q_HLD, k_HLD, v_HLD, sinks, self, kernel, calls, options)
+        ensure(sinks is None, "attention sinks reached a kernel without log-sum-exp")
         buffer = FetchRows.apply(fuse_kv(k_HLD, v_HLD), self)
         k_buf, v_buf = split_kv(buffer)
-        out = kernel.attend(calls, q_HLD, k_buf, v_buf, scale, dropout_p)
+        out = kernel.attend(calls, q_HLD, k_buf, v_buf, scale, dropout_p, softcap)
         if self.items.size == 0:
             # A rank of only padding: its zeros must still depend on q and the fetched
             # buffer, so its backward runs the exchange's collectives like every other rank.
@@ -161,29 +176,28 @@ class FetchRows(torch.autograd.Function):
 
 
 class BufferAttention(torch.autograd.Function):
-    """One layer as one node: fuse K/V, gather the buffer, attend; backward mirrors it.
+    """One layer as one node: fuse K/V, gather the buffer, attend (then the sinks); backward mirrors it.
 
     Backward always runs the exchange's collectives (also on a rank of only padding),
-    so every rank's backward stays matched.
+    so every rank's backward stays matched. ``options`` is ``(scale, dropout_p, softcap)``.
     """
 
     @staticmethod
-    def forward(ctx, q_HLD, k_HLD, v_HLD, exchange: BufferExchange, kernel, calls, scale: float, dropout_p: float):
+    def forward(ctx, q_HLD, k_HLD, v_HLD, sinks_H, exchange: BufferExchange, kernel, calls, options):
         buffer = exchange.gather_rows(fuse_kv(k_HLD, v_HLD))
         k_buf, v_buf = split_kv(buffer)
-        o_HLD, lse_HL, aux = kernel.forward(calls, q_HLD, k_buf, v_buf, scale, dropout_p)
-        ctx.save_for_backward(q_HLD, buffer, o_HLD, lse_HL)
-        ctx.exchange, ctx.kernel, ctx.calls, ctx.aux, ctx.scale, ctx.dropout_p = (
-            exchange, kernel, calls, aux, scale, dropout_p
-        )
+        o_HLD, lse_HL, aux = kernel.forward(calls, q_HLD, k_buf, v_buf, *options)
+        if sinks_H is not None:
+            o_HLD, lse_HL = add_sinks(o_HLD, lse_HL, sinks_H)
+        ctx.save_for_backward(q_HLD, buffer, o_HLD, lse_HL, sinks_H)
+        ctx.exchange, ctx.kernel, ctx.calls, ctx.aux, ctx.options = exchange, kernel, calls, aux, options
         return o_HLD
 
     @staticmethod
     def backward(ctx, do_HLD):
-        q, buffer, o, lse = ctx.saved_tensors
+        q, buffer, o, lse, sinks_H = ctx.saved_tensors
         k_buf, v_buf = split_kv(buffer)
-        dq, d_buffer = ctx.kernel.backward_fused_kv(
-            ctx.calls, do_HLD, q, k_buf, v_buf, o, lse, ctx.aux, ctx.scale, ctx.dropout_p
-        )
+        dq, d_buffer = ctx.kernel.backward_fused_kv(ctx.calls, do_HLD, q, k_buf, v_buf, o, lse, ctx.aux, *ctx.options)
         dk_HLD, dv_HLD = split_kv(ctx.exchange.scatter_grads(d_buffer.to(buffer.dtype)))
-        return dq, dk_HLD, dv_HLD, None, None, None, None, None
+        d_sinks = None if sinks_H is None else sinks_grad(do_HLD, o, lse, sinks_H).to(sinks_H.dtype)
+        return dq, dk_HLD, dv_HLD, d_sinks, None, None, None, None

@@ -36,17 +36,17 @@ class NeededOnlyExchange(BufferExchange):
 
     def __init__(self, setup: ExchangeSetup) -> None:
         geometry, rank, L, W = setup.geometry, setup.rank, setup.local_len, setup.world
-        transfer = geometry.transfer  # [dst, src]
+        transfer = geometry.transfer_under(setup.window)  # [dst, src]
         self.group = setup.group
         self.send_splits = transfer[:, rank].tolist()
         self.recv_splits = transfer[rank, :].tolist()
         self.any_transfer = bool(transfer.any())
         # rows this rank sends, grouped by destination, ascending positions (local rows)
-        needed_by_WL = geometry.need_at(geometry.plan.positions_WL[rank])
+        needed_by_WL = geometry.need_at(geometry.plan.positions_WL[rank], setup.window)
         needed_by_WL[rank] = False
         self.send_rows = torch.cat([torch.nonzero(row).flatten() for row in needed_by_WL]).to(setup.device)
         # buffer = cat([local, received])[assemble]: received rows come grouped by source rank
-        needed = geometry.needed_positions(rank)
+        needed = geometry.needed_positions(rank, setup.window)
         src = geometry.owner[needed]
         recv_offset = torch.cumsum(torch.tensor([0] + self.recv_splits[:-1]), dim=0)
         assemble = torch.where(src == rank, geometry.local_index[needed], L + recv_offset[src] + _rank_within(src, W))
@@ -142,7 +142,7 @@ class HaloExchange(NeededOnlyExchange):
 
 def halo_unsupported_reason(setup: ExchangeSetup) -> str | None:
     """Why `halo` cannot serve this step (None if it can): a rank needs keys beyond its left neighbour."""
-    dst, src = torch.nonzero(setup.geometry.transfer, as_tuple=True)
+    dst, src = torch.nonzero(setup.geometry.transfer_under(setup.window), as_tuple=True)
     beyond = (src != dst - 1) | (dst == 0)
     if bool(beyond.any()):
         d, s = int(dst[beyond][0]), int(src[beyond][0])

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..errors import ensure
 from ..kernels import AttentionKernel, ItemTable, merge_partial
-from ..kernels.base import accumulate_dtype
+from ..kernels.base import accumulate_dtype, add_sinks, sinks_grad
 from .base import ExchangeSetup, KVExchange, Traffic, fuse_kv, split_kv
 
 
@@ -97,8 +97,8 @@ class RingExchange(KVExchange):
         grad_recv = sum(0 if h.grad_recv_rows is None else h.grad_recv_rows.numel() for h in self.hops[1:])
         return Traffic(kv_sent, kv_recv, kv_sent + grad_sent, kv_recv + grad_recv)
 
-    def attend(self, q_HLD, k_HLD, v_HLD, kernel, scale, dropout_p):
-        return _RingAttention.apply(q_HLD, k_HLD, v_HLD, self, kernel, scale, dropout_p)
+    def attend(self, q_HLD, k_HLD, v_HLD, kernel, scale, dropout_p, softcap=None, sinks=None):
+        return _RingAttention.apply(q_HLD, k_HLD, v_HLD, sinks, self, kernel, (scale, dropout_p, softcap))
 
     def circulate(self, t: int, block: torch.Tensor) -> Optional[_P2P]:
         """Start sending hop t's block on and receiving hop t+1's (None on the last hop)."""
@@ -120,7 +120,8 @@ class _RingAttention(torch.autograd.Function):
     """Attention over all hops of a `RingExchange` (Note [Trimmed ring with log-sum-exp merge])."""
 
     @staticmethod
-    def forward(ctx, q_HLD, k_HLD, v_HLD, ring: RingExchange, kernel: AttentionKernel, scale: float, dropout_p: float):
+    def forward(ctx, q_HLD, k_HLD, v_HLD, sinks_H, ring: RingExchange, kernel: AttentionKernel, options):
+        """``options``: ``(scale, dropout_p, softcap)``; the sinks join after every hop is merged."""
         block = fuse_kv(k_HLD, v_HLD)
         H, L, D = q_HLD.shape
         acc = accumulate_dtype(q_HLD.dtype)
@@ -132,18 +133,20 @@ class _RingAttention(torch.autograd.Function):
             aux = None
             if hop.items.size:
                 k, v = split_kv(block)
-                o_t, lse_t, aux = kernel.forward(hop.kernel_calls[kernel.name], q_HLD, k, v, scale, dropout_p)
+                o_t, lse_t, aux = kernel.forward(hop.kernel_calls[kernel.name], q_HLD, k, v, *options)
                 o, lse = merge_partial(o, lse, o_t, lse_t)
             auxes.append(aux)
             block = ring.next_block(pending, block)
+        if sinks_H is not None:
+            o, lse = add_sinks(o, lse, sinks_H)
         o = o.to(q_HLD.dtype)
-        ctx.save_for_backward(q_HLD, k_HLD, v_HLD, o, lse)
-        ctx.ring, ctx.kernel, ctx.auxes, ctx.scale, ctx.dropout_p = ring, kernel, auxes, scale, dropout_p
+        ctx.save_for_backward(q_HLD, k_HLD, v_HLD, o, lse, sinks_H)
+        ctx.ring, ctx.kernel, ctx.auxes, ctx.options = ring, kernel, auxes, options
         return o
 
     @staticmethod
     def backward(ctx, do_HLD):
-        q, k_own, v_own, o, lse = ctx.saved_tensors
+        q, k_own, v_own, o, lse, sinks_H = ctx.saved_tensors
         ring, kernel = ctx.ring, ctx.kernel
         acc = accumulate_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -155,14 +158,15 @@ class _RingAttention(torch.autograd.Function):
             if hop.items.size:
                 k, v = split_kv(block)
                 dq_t, dk_t, dv_t = kernel.backward(
-                    hop.kernel_calls[kernel.name], do_HLD, q, k, v, o, lse, ctx.auxes[t], ctx.scale, ctx.dropout_p
+                    hop.kernel_calls[kernel.name], do_HLD, q, k, v, o, lse, ctx.auxes[t], *ctx.options
                 )
                 dq += dq_t
                 d_block = fuse_kv(dk_t, dv_t)
             _return_block_grads(ring, t, hop, d_block, d_own)
             block = ring.next_block(pending, block)
         dk, dv = split_kv(d_own)
-        return dq.to(q.dtype), dk.to(k_own.dtype), dv.to(v_own.dtype), None, None, None, None
+        d_sinks = None if sinks_H is None else sinks_grad(do_HLD, o, lse, sinks_H).to(sinks_H.dtype)
+        return dq.to(q.dtype), dk.to(k_own.dtype), dv.to(v_own.dtype), d_sinks, None, None, None
 
 
 def _return_block_grads(ring: RingExchange, t: int, hop: Hop, d_block: Optional[torch.Tensor], d_own: torch.Tensor) -> None:

@@ -23,6 +23,15 @@ A piece whose document started on an earlier rank is the *bottom* of a causal bl
 With ``causal=False`` every query sees every key of the item (keys that lie wholly
 before the queries, e.g. a block received from another rank in the ring).
 
+A table may carry a sliding ``window`` ``w`` (transformers' convention: a query sees
+the keys at positions ``(q - w, q]``): then causal query ``i`` sees only keys
+``i + (k_len - q_len) - w < j <= i + (k_len - q_len)``, a band:
+
+            keys ->  (k_len = 7, w = 3)
+    q 0    . . x x x . .
+    q 1    . . . x x x .
+    q 2    . . . . x x x
+
 Every query row belongs to at most one item of a table. A kernel returns the output
 ``o`` and the log-sum-exp ``lse`` of each row (0 and -inf for rows in no item), so
 partial results over different key sets merge exactly; its backward takes the final
@@ -33,7 +42,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import torch
 
@@ -48,6 +57,7 @@ class ItemTable:
         causal: ``[n]`` bool CPU tensor (bottom-right aligned when True).
         num_q_rows: rows of the query tensor (``L``).
         num_k_rows: rows of the key buffer (``N``).
+        window: the sliding window of every causal item (None: full causal).
     """
 
     q_start: torch.Tensor
@@ -57,6 +67,7 @@ class ItemTable:
     causal: torch.Tensor
     num_q_rows: int
     num_k_rows: int
+    window: Optional[int] = None
 
     def __post_init__(self) -> None:
         n = self.q_start.numel()
@@ -70,6 +81,7 @@ class ItemTable:
         ensure(int(q_end[-1]) <= self.num_q_rows and int(self.q_start[0]) >= 0, "query rows out of bounds")
         ensure(int((self.k_start + self.k_len).max()) <= self.num_k_rows and int(self.k_start.min()) >= 0,
                "key rows out of bounds")
+        ensure(self.window is None or self.window >= 1, "window must be >= 1")
 
     @property
     def size(self) -> int:
@@ -87,15 +99,17 @@ class ItemTable:
         rows = self.q_start[item] + offset
         k_end = self.k_start[item] + self.k_len[item]
         causal_end = self.k_start[item] + (self.k_len - self.q_len)[item] + offset + 1
-        lo[rows] = self.k_start[item]
+        start = self.k_start[item]
+        if self.window is not None:
+            start = torch.where(self.causal[item], torch.maximum(start, causal_end - self.window), start)
+        lo[rows] = start
         hi[rows] = torch.where(self.causal[item], causal_end, k_end)
         return lo, hi
 
     def pairs(self) -> int:
-        """Query-key pairs computed (the causal attention work of this table)."""
-        full = self.q_len * self.k_len
-        tri = self.q_len * (self.k_len - self.q_len) + self.q_len * (self.q_len + 1) // 2
-        return int(torch.where(self.causal, tri, full).sum())
+        """Query-key pairs the table's masks allow (its attention work)."""
+        lo, hi = self.row_key_ranges()
+        return int((hi - lo).sum())
 
 
 class AttentionKernel(ABC):
@@ -110,8 +124,18 @@ class AttentionKernel(ABC):
     name: ClassVar[str]
     supports_dropout: ClassVar[bool] = False
     #: the kernel is an `LseKernel`: partial results over different key sets merge
-    #: exactly by log-sum-exp (the ring exchange needs this)
+    #: exactly by log-sum-exp (the ring exchange and attention sinks need this)
     supports_lse: ClassVar[bool] = False
+    #: logit softcapping ``cap * tanh(score / cap)`` (Gemma 2)
+    supports_softcap: ClassVar[bool] = False
+
+    def feature_problem(self, *, softcap: Optional[float] = None, sinks: bool = False) -> Optional[str]:
+        """Why this kernel cannot serve a call with these features (None if it can)."""
+        if softcap is not None and not self.supports_softcap:
+            return f"kernel={self.name!r} has no logit softcapping"
+        if sinks and not self.supports_lse:
+            return f"kernel={self.name!r} exposes no log-sum-exp, which attention sinks need"
+        return None
 
     @abstractmethod
     def prepare(self, items: ItemTable, device: torch.device) -> Any:
@@ -125,7 +149,8 @@ class AttentionKernel(ABC):
         """
 
     @abstractmethod
-    def attend(self, calls: Any, q_HLD, k_HND, v_HND, scale: float, dropout_p: float) -> torch.Tensor:
+    def attend(self, calls: Any, q_HLD, k_HND, v_HND, scale: float, dropout_p: float,
+               softcap: Optional[float] = None) -> torch.Tensor:
         """Differentiable ``o [H, L, D]`` over the call table's items; rows in no item are 0."""
 
 
@@ -136,7 +161,8 @@ class LseKernel(AttentionKernel):
 
     @abstractmethod
     def forward(
-        self, calls: Any, q_HLD: torch.Tensor, k_HND: torch.Tensor, v_HND: torch.Tensor, scale: float, dropout_p: float
+        self, calls: Any, q_HLD: torch.Tensor, k_HND: torch.Tensor, v_HND: torch.Tensor, scale: float,
+        dropout_p: float, softcap: Optional[float] = None,
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Return ``(o [H, L, D], lse [H, L] float, aux)``; rows in no item: 0 and -inf."""
 
@@ -153,34 +179,37 @@ class LseKernel(AttentionKernel):
         aux: Any,
         scale: float,
         dropout_p: float,
+        softcap: Optional[float] = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients ``(dq, dk, dv)`` of this table's keys, given the final ``o`` and ``lse``."""
 
     def backward_fused_kv(self, calls: Any, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale: float,
-                          dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+                          dropout_p: float, softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`backward` with the K/V gradients as one ``[N, 2, Hk, D]`` tensor (token rows, as exchanged)."""
-        dq, dk, dv = self.backward(calls, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale, dropout_p)
+        dq, dk, dv = self.backward(calls, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale, dropout_p, softcap)
         return dq, torch.stack([dk.transpose(0, 1), dv.transpose(0, 1)], dim=1)
 
-    def attend(self, calls: Any, q_HLD, k_HND, v_HND, scale: float, dropout_p: float) -> torch.Tensor:
-        return ItemAttention.apply(q_HLD, k_HND, v_HND, self, calls, scale, dropout_p)
+    def attend(self, calls: Any, q_HLD, k_HND, v_HND, scale: float, dropout_p: float,
+               softcap: Optional[float] = None) -> torch.Tensor:
+        return ItemAttention.apply(q_HLD, k_HND, v_HND, self, calls, scale, dropout_p, softcap)
 
 
 class ItemAttention(torch.autograd.Function):
     """``o = attention(q, k, v)`` over an item table; backward through the kernel."""
 
     @staticmethod
-    def forward(ctx, q_HLD, k_HND, v_HND, kernel: "LseKernel", calls: Any, scale: float, dropout_p: float):
-        o_HLD, lse_HL, aux = kernel.forward(calls, q_HLD, k_HND, v_HND, scale, dropout_p)
+    def forward(ctx, q_HLD, k_HND, v_HND, kernel: "LseKernel", calls: Any, scale: float, dropout_p: float,
+                softcap: Optional[float] = None):
+        o_HLD, lse_HL, aux = kernel.forward(calls, q_HLD, k_HND, v_HND, scale, dropout_p, softcap)
         ctx.save_for_backward(q_HLD, k_HND, v_HND, o_HLD, lse_HL)
-        ctx.kernel, ctx.calls, ctx.aux, ctx.scale, ctx.dropout_p = kernel, calls, aux, scale, dropout_p
+        ctx.kernel, ctx.calls, ctx.aux, ctx.options = kernel, calls, aux, (scale, dropout_p, softcap)
         return o_HLD
 
     @staticmethod
     def backward(ctx, do_HLD):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.kernel.backward(ctx.calls, do_HLD, q, k, v, o, lse, ctx.aux, ctx.scale, ctx.dropout_p)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = ctx.kernel.backward(ctx.calls, do_HLD, q, k, v, o, lse, ctx.aux, *ctx.options)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -214,3 +243,26 @@ def merge_partial(
     w_new = torch.exp(lse_new - safe).unsqueeze(-1)
     o = o_acc.to(w_acc.dtype) * w_acc + o_new.to(w_acc.dtype) * w_new
     return o.to(o_acc.dtype), lse
+
+
+def add_sinks(o_HLD: torch.Tensor, lse_HL: torch.Tensor, sinks_H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention sinks: one extra logit per head in every row's softmax denominator (gpt-oss).
+
+    ``lse' = logaddexp(lse, sink)``, ``o' = o * exp(lse - lse')``; applied once, after every
+    partial result of a row is merged, so the sink is counted once per query. Rows with
+    no key (``lse = -inf``) stay 0.
+    """
+    lse = torch.logaddexp(lse_HL, sinks_H.to(lse_HL.dtype).unsqueeze(1))
+    o = o_HLD.to(lse.dtype) * torch.exp(lse_HL - lse).unsqueeze(-1)
+    return o.to(o_HLD.dtype), lse
+
+
+def sinks_grad(do_HLD: torch.Tensor, o_HLD: torch.Tensor, lse_HL: torch.Tensor, sinks_H: torch.Tensor) -> torch.Tensor:
+    """``[H]``: the gradient of the sinks, given the final (sink-including) ``o`` and ``lse``.
+
+    The sink is a logit whose value vector is 0, so ``d sink = -sum_rows p_sink * (dO . o)``.
+    """
+    acc = lse_HL.dtype
+    p_sink = torch.exp(sinks_H.to(acc).unsqueeze(1) - lse_HL)
+    delta = (do_HLD.to(acc) * o_HLD.to(acc)).sum(dim=-1)
+    return -(p_sink * delta).sum(dim=1)

@@ -25,17 +25,23 @@ class RowKeyRanges:
 class DenseKernel(LseKernel):
     name = "dense"
     supports_dropout = True
+    supports_softcap = True
 
     def prepare(self, items: ItemTable, device: torch.device) -> RowKeyRanges:
         k_lo, k_hi = items.row_key_ranges()
         return RowKeyRanges(k_lo.to(device), k_hi.to(device))
 
     @staticmethod
-    def _probs(ranges: RowKeyRanges, q_HLD, k_HND, scale: float, lse_HL=None):
-        """Masked scores and probabilities ``[H, L, N]`` (and lse if not given)."""
+    def _probs(ranges: RowKeyRanges, q_HLD, k_HND, scale: float, lse_HL=None, softcap=None):
+        """Masked scores and probabilities ``[H, L, N]`` (and lse if not given), and the softcap's
+        ``tanh`` (for its derivative; None without softcap)."""
         ct = accumulate_dtype(q_HLD.dtype)
         k = expand_heads(k_HND, q_HLD.shape[0], 0).to(ct)
         scores = torch.matmul(q_HLD.to(ct), k.transpose(-1, -2)) * scale
+        capped = None
+        if softcap is not None:
+            capped = torch.tanh(scores / softcap)
+            scores = capped * softcap
         cols = torch.arange(k_HND.shape[1], device=q_HLD.device)
         visible_LN = (cols >= ranges.k_lo[:, None]) & (cols < ranges.k_hi[:, None])
         scores = scores.masked_fill(~visible_LN, float("-inf"))
@@ -43,10 +49,10 @@ class DenseKernel(LseKernel):
             lse_HL = torch.logsumexp(scores, dim=-1)
         safe = torch.where(torch.isinf(lse_HL), torch.zeros_like(lse_HL), lse_HL)
         probs = torch.exp(scores - safe.unsqueeze(-1)).masked_fill(~visible_LN, 0.0)
-        return probs, lse_HL
+        return probs, lse_HL, capped
 
-    def forward(self, calls, q_HLD, k_HND, v_HND, scale, dropout_p):
-        probs, lse = self._probs(calls, q_HLD, k_HND, scale)
+    def forward(self, calls, q_HLD, k_HND, v_HND, scale, dropout_p, softcap=None):
+        probs, lse, _ = self._probs(calls, q_HLD, k_HND, scale, softcap=softcap)
         keep = None
         if dropout_p > 0.0:
             keep = torch.rand_like(probs) >= dropout_p
@@ -55,10 +61,10 @@ class DenseKernel(LseKernel):
         o = torch.matmul(probs, v).to(q_HLD.dtype)
         return o, lse, keep
 
-    def backward(self, calls, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale, dropout_p):
+    def backward(self, calls, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale, dropout_p, softcap=None):
         ct = accumulate_dtype(q_HLD.dtype)
         H, Hk = q_HLD.shape[0], k_HND.shape[0]
-        probs, _ = self._probs(calls, q_HLD, k_HND, scale, lse_HL)
+        probs, _, capped = self._probs(calls, q_HLD, k_HND, scale, lse_HL, softcap)
         do = do_HLD.to(ct)
         kept = probs if aux is None else probs * aux / (1.0 - dropout_p)
         dv = torch.matmul(kept.transpose(-1, -2), do)
@@ -66,6 +72,8 @@ class DenseKernel(LseKernel):
         dprobs = dkept if aux is None else dkept * aux / (1.0 - dropout_p)
         delta = (do * o_HLD.to(ct)).sum(dim=-1, keepdim=True)
         dscores = probs * (dprobs - delta) * scale
+        if capped is not None:
+            dscores = dscores * (1.0 - capped * capped)
         dq = torch.matmul(dscores, expand_heads(k_HND, H, 0).to(ct))
         dk = torch.matmul(dscores.transpose(-1, -2), q_HLD.to(ct))
         return (

@@ -13,11 +13,17 @@ from .varlen import VarlenKernel
 class FlashKernel(VarlenKernel):
     name = "flash"
     supports_dropout = True
+    supports_softcap = True
     package = "flash_attn"
     install_name = "flash-attn"
 
-    def attend_packed(self, call, q_THD, k_THD, v_THD, scale, dropout_p):
+    def attend_packed(self, call, q_THD, k_THD, v_THD, scale, dropout_p, softcap=None):
+        extra = {}
+        if call.window is not None:  # keys (q - w, q]: w - 1 to the left, none to the right
+            extra["window_size"] = (call.window - 1, 0)
+        if softcap is not None:
+            extra["softcap"] = softcap
         return self.module.flash_attn_varlen_func(
             q_THD, k_THD, v_THD, call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k,
-            dropout_p=dropout_p, softmax_scale=scale, causal=call.causal,
+            dropout_p=dropout_p, softmax_scale=scale, causal=call.causal, **extra,
         )

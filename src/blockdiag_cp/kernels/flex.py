@@ -52,7 +52,7 @@ class FlexKernel(AttentionKernel):
                 "use kernel='sdpa' (or flex under torch.no_grad())"
             )
 
-    def attend(self, call: FlexCall, q_HLD, k_HND, v_HND, scale, dropout_p):
+    def attend(self, call: FlexCall, q_HLD, k_HND, v_HND, scale, dropout_p, softcap=None):
         if k_HND.shape[1] == 0:
             return torch.zeros_like(q_HLD)
         out = self._flex(

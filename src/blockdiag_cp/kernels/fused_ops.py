@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import expand_heads, fold_heads
+from .base import accumulate_dtype, expand_heads, fold_heads
 
 
 def cpu_fused_ops():
@@ -65,6 +65,51 @@ class CudaFusedOps:
         if groups > 1:
             dk, dv = (fold_heads(t.float(), groups, 1).to(t.dtype) for t in (dk, dv))
         return dq, dk, dv
+
+
+class MathOps:
+    """The same two calls in plain tensor math, for score functions the fused kernels lack
+    (logit softcapping ``cap * tanh(s / cap)``). Causal is top-left, like the fused ops.
+
+    Memory: the scores ``[G, H, l, m]`` of one call (one document piece, or one bucket of
+    short ones), never a row's ``[S, S]``.
+    """
+
+    def __init__(self, softcap: float) -> None:
+        self.softcap = softcap
+
+    def _scores(self, q, k, causal: bool, scale: float):
+        acc = accumulate_dtype(q.dtype)
+        k = expand_heads(k, q.shape[1], 1).to(acc)
+        raw = torch.matmul(q.to(acc), k.transpose(-1, -2)) * scale
+        capped = torch.tanh(raw / self.softcap)
+        scores = capped * self.softcap
+        if causal:
+            l, m = scores.shape[-2:]
+            hidden = torch.ones(l, m, dtype=torch.bool, device=q.device).triu(1)
+            scores = scores.masked_fill(hidden, float("-inf"))
+        return scores, capped
+
+    def fwd(self, q, k, v, causal: bool, scale: float):
+        scores, _ = self._scores(q, k, causal, scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse.unsqueeze(-1))
+        o = torch.matmul(probs, expand_heads(v, q.shape[1], 1).to(probs.dtype))
+        return o.to(q.dtype), lse
+
+    def bwd(self, do, q, k, v, o, lse, causal: bool, scale: float):
+        scores, capped = self._scores(q, k, causal, scale)
+        probs = torch.exp(scores - lse.unsqueeze(-1))  # lse = +inf (pads): exactly 0
+        acc, groups = probs.dtype, q.shape[1] // k.shape[1]
+        do = do.to(acc)
+        dv = torch.matmul(probs.transpose(-1, -2), do)
+        dp = torch.matmul(do, expand_heads(v, q.shape[1], 1).to(acc).transpose(-1, -2))
+        ds = probs * (dp - (do * o.to(acc)).sum(dim=-1, keepdim=True)) * (1.0 - capped * capped) * scale
+        dq = torch.matmul(ds, expand_heads(k, q.shape[1], 1).to(acc))
+        dk = torch.matmul(ds.transpose(-1, -2), q.to(acc))
+        if groups > 1:
+            dk, dv = fold_heads(dk, groups, 1), fold_heads(dv, groups, 1)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def fused_ops_for(device: torch.device):

@@ -33,6 +33,22 @@ table, built once per step, groups the pieces:
 
 Forward keeps each call's gathered q/k/v for backward, which gathers only dO, o and
 lse (once per row) and scatter-adds dq/dk/dv (pads into the dummy rows).
+
+Note [Sliding windows from causal squares]
+------------------------------------------
+Under a window ``w`` a query at ``g`` sees ``(g - w, g]``. A piece is cut into query
+blocks of ``c <= w`` queries starting at key index ``a``; each block is three exact
+calls, merged by log-sum-exp, and no mask is built:
+
+    own square   keys [a, a + c)              causal (every key is within the window)
+    full part    keys [a + c - w, a)          no mask: every query of the block sees them
+    triangle     keys [a - w + 1, a + c - w)  query t sees key j iff j >= t + (a - w + 1):
+                 anti-causal; with the queries *and* the keys taken in reverse order it is
+                 top-left causal (query t' sees keys j' <= t'), one fused causal call
+
+(each clipped at the item's first key). Full blocks share one shape and batch together;
+every key is gathered about twice per layer, and no query-key pair outside the band
+is computed.
 """
 
 from __future__ import annotations
@@ -47,7 +63,7 @@ import torch
 from ..errors import ensure
 from .base import ItemTable, LseKernel, accumulate_dtype, expand_heads, fold_heads, merge_partial
 from ..ranges import concat_ranges
-from .fused_ops import cpu_fused_ops, fused_ops_for
+from .fused_ops import MathOps, cpu_fused_ops, fused_ops_for
 
 #: causal squares of at least this many queries get a call of their own
 SOLO_LEN = 512
@@ -119,15 +135,15 @@ class FusedCall:
     k: Rows
 
 
-def _rows(starts: list[int], reals: list[int], length: int, dummy: int, device: torch.device) -> Rows:
-    """Rows for items starting at `starts` with `reals` real rows each, padded to `length`."""
-    if len(starts) == 1 and reals[0] == length:
+def _rows(starts: list[int], reals: list[int], length: int, dummy: int, device: torch.device, step: int = 1) -> Rows:
+    """Rows for items of `reals` real rows from `starts` (ascending, or descending with ``step=-1``), padded to `length`."""
+    if len(starts) == 1 and reals[0] == length and step == 1:
         return Rows(1, length, start=starts[0])
     start, real = torch.tensor(starts).unsqueeze(1), torch.tensor(reals).unsqueeze(1)
     offset = torch.arange(length).unsqueeze(0)
     is_pad = offset >= real
-    gather = start + torch.minimum(offset, real - 1)
-    scatter = torch.where(is_pad, dummy, start + offset)
+    gather = start + step * torch.minimum(offset, real - 1)
+    scatter = torch.where(is_pad, dummy, start + step * offset)
     pad = is_pad.reshape(-1).to(device) if bool(is_pad.any()) else None
     return Rows(len(starts), length, None, gather.reshape(-1).to(device), scatter.reshape(-1).to(device), pad)
 
@@ -153,28 +169,54 @@ def fused_call_table(items: ItemTable, device: torch.device) -> FusedCallTable:
     return FusedCallTable(fused_calls(items, device), torch.nonzero(~touched).flatten().to(device))
 
 
-def fused_calls(items: ItemTable, device: torch.device) -> tuple[FusedCall, ...]:
-    """The calls of `items` (Notes [Bottom-right causal...] and [Token-major rows and buckets]).
+#: a call group: (causal, merge, q rows, k rows, step) -> members (q start, q real, k start, k real)
+_Groups = dict
 
-    First-touch calls come first, the prefix calls that merge into them after.
-    """
-    groups: dict[tuple[bool, bool, int, int], list[tuple[int, int, int, int]]] = defaultdict(list)
+
+def fused_calls(items: ItemTable, device: torch.device) -> tuple[FusedCall, ...]:
+    """The calls of `items` (Notes [Bottom-right causal...], [Token-major rows and buckets] and
+    [Sliding windows from causal squares]). First-touch calls come first, merging calls after."""
+    groups: _Groups = defaultdict(list)
     rows = zip(*(t.tolist() for t in (items.q_start, items.q_len, items.k_start, items.k_len, items.causal)))
     for q0, ql, k0, kl, causal in rows:
         if not causal:
-            groups[False, False, ql, kl].append((q0, ql, k0, kl))
-            continue
-        b = bucket_length(ql)
-        groups[True, False, b, b].append((q0, ql, k0 + kl - ql, ql))
-        if kl > ql:
-            groups[False, True, ql, kl - ql].append((q0, ql, k0, kl - ql))
+            groups[False, False, ql, kl, 1].append((q0, ql, k0, kl))
+        elif items.window is None or items.window >= kl:
+            _add_causal(groups, q0, ql, k0, kl)
+        else:
+            _add_windowed(groups, q0, ql, k0, kl, items.window)
     calls = []
-    for (causal, merge, ql, kl), members in sorted(groups.items(), key=lambda kv: (kv[0][1], -kv[0][2], -kv[0][3])):
+    ordered = sorted(groups.items(), key=lambda kv: (kv[0][1], -kv[0][2], -kv[0][3], kv[0][4]))
+    for (causal, merge, ql, kl, step), members in ordered:
         q0s, qreal, k0s, kreal = (list(col) for col in zip(*members))
-        q = _rows(q0s, qreal, ql, items.num_q_rows, device)
-        k = _rows(k0s, kreal, kl, items.num_k_rows, device)
+        q = _rows(q0s, qreal, ql, items.num_q_rows, device, step)
+        k = _rows(k0s, kreal, kl, items.num_k_rows, device, step)
         calls.append(FusedCall(causal, merge, q, k))
     return tuple(calls)
+
+
+def _add_causal(groups: _Groups, q0: int, ql: int, k0: int, kl: int) -> None:
+    """A bottom-right causal item: its causal square (bucketed), then the prefix it merges."""
+    b = bucket_length(ql)
+    groups[True, False, b, b, 1].append((q0, ql, k0 + kl - ql, ql))
+    if kl > ql:
+        groups[False, True, ql, kl - ql, 1].append((q0, ql, k0, kl - ql))
+
+
+def _add_windowed(groups: _Groups, q0: int, ql: int, k0: int, kl: int, w: int) -> None:
+    """A bottom-right causal item under window ``w < kl``, in query blocks of ``c <= w``
+    (Note [Sliding windows from causal squares])."""
+    off = kl - ql  # keys before the item's first query
+    for bq in range(0, ql, w):
+        c, a = min(w, ql - bq), off + bq  # block size; key index of the block's first query
+        b = bucket_length(c)
+        groups[True, False, b, b, 1].append((q0 + bq, c, k0 + a, c))  # the block's own causal square
+        full = a - max(0, a + c - w)  # keys before the block that every query of it sees
+        if full:
+            groups[False, True, c, full, 1].append((q0 + bq, c, k0 + a - full, full))
+        tri = max(0, a + c - w) - max(0, a - w + 1)  # keys that only the block's earlier queries see
+        if tri > 0 and c > 1:
+            groups[True, True, c - 1, tri, -1].append((q0 + bq + c - 2, c - 1, k0 + a + c - w - 1, tri))
 
 
 #: Old name (0.1), kept for code that imported it.
@@ -184,6 +226,7 @@ plan_fused_calls = fused_calls
 class SdpaKernel(LseKernel):
     name = "sdpa"
     supports_dropout = False
+    supports_softcap = True  # with the same call table, in plain math per call (`MathOps`)
 
     def __init__(self, device: torch.device = torch.device("cpu")) -> None:
         self.device_type = device.type
@@ -198,9 +241,13 @@ class SdpaKernel(LseKernel):
             raise ValueError(f"kernel='sdpa' was set up for {self.device_type}, got tensors on {device}")
         return fused_call_table(items, device)
 
-    def forward(self, calls, q_HLD, k_HND, v_HND, scale, dropout_p):
+    def _ops_for(self, softcap: Optional[float]):
+        return self._ops if softcap is None else MathOps(softcap)
+
+    def forward(self, calls, q_HLD, k_HND, v_HND, scale, dropout_p, softcap=None):
         """``(o [H, L, D], lse [H, L], aux)``; aux holds each call's gathered q/k/v for backward."""
         ensure(dropout_p == 0.0, "callers route dropout to a kernel that supports it")
+        ops = self._ops_for(softcap)
         q_LHD, k_NHD, v_NHD = (t.transpose(0, 1) for t in (q_HLD, k_HND, v_HND))
         L, H, D = q_LHD.shape
         # + the dummy row that pads write into; every other row is written by a first-touch call or zeroed here
@@ -210,7 +257,7 @@ class SdpaKernel(LseKernel):
         kept = []
         for call in calls:
             q, k, v = call.q.take(q_LHD), call.k.take(k_NHD), call.k.take(v_NHD)
-            o_b, lse_b = self._ops.fwd(call.q.batch(q), call.k.batch(k), call.k.batch(v), call.causal, scale)
+            o_b, lse_b = ops.fwd(call.q.batch(q), call.k.batch(k), call.k.batch(v), call.causal, scale)
             o, lse = call.q.unbatch(o_b), call.q.unbatch(lse_b.unsqueeze(-1)).squeeze(-1)
             if call.merge:
                 o, lse = merge_partial(call.q.take(o_LHD), call.q.take(lse_LH), o, lse)
@@ -219,12 +266,15 @@ class SdpaKernel(LseKernel):
             kept.append((q, k, v))
         return o_LHD[:L].transpose(0, 1), lse_LH[:L].transpose(0, 1), kept
 
-    def backward(self, calls, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale, dropout_p):
-        dq, dkv = self.backward_fused_kv(calls, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale, dropout_p)
+    def backward(self, calls, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale, dropout_p, softcap=None):
+        dq, dkv = self.backward_fused_kv(calls, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale, dropout_p,
+                                         softcap)
         return dq, dkv[:, 0].transpose(0, 1), dkv[:, 1].transpose(0, 1)
 
-    def backward_fused_kv(self, calls, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale, dropout_p):
+    def backward_fused_kv(self, calls, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale, dropout_p,
+                          softcap=None):
         """``(dq [H, L, D], dkv [N, 2, Hk, D])``: K and V gradients accumulated in one fused buffer."""
+        ops = self._ops_for(softcap)
         do_LHD, o_LHD, lse_LH = do_HLD.transpose(0, 1), o_HLD.transpose(0, 1), lse_HL.transpose(0, 1)
         acc = accumulate_dtype(q_HLD.dtype)
         (H, L, D), N = q_HLD.shape, k_HND.shape[1]
@@ -241,7 +291,7 @@ class SdpaKernel(LseKernel):
             k_b, v_b = call.k.batch(k), call.k.batch(v)
             if groups > 1:
                 k_b, v_b = expand_heads(k_b, H, 1), expand_heads(v_b, H, 1)
-            dq_b, dk_b, dv_b = self._ops.bwd(
+            dq_b, dk_b, dv_b = ops.bwd(
                 call.q.batch(do), call.q.batch(q), k_b, v_b, call.q.batch(o),
                 call.q.batch(lse.unsqueeze(-1)).squeeze(-1).contiguous(), call.causal, scale,
             )

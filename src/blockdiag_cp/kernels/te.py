@@ -28,7 +28,7 @@ class TEKernel(VarlenKernel):
             )
         return self._modules[key]
 
-    def attend_packed(self, call, q_THD, k_THD, v_THD, scale, dropout_p):
+    def attend_packed(self, call, q_THD, k_THD, v_THD, scale, dropout_p, softcap=None):
         T, H, D = q_THD.shape
         attention = self._dot_product_attention(H, D, k_THD.shape[1], scale)
         out = attention(
@@ -36,5 +36,6 @@ class TEKernel(VarlenKernel):
             attn_mask_type="padding_causal_bottom_right" if call.causal else "padding",
             cu_seqlens_q=call.cu_seqlens_q, cu_seqlens_kv=call.cu_seqlens_k,
             max_seqlen_q=call.max_seqlen_q, max_seqlen_kv=call.max_seqlen_k,
+            **({} if call.window is None else {"window_size": (call.window - 1, 0)}),
         )
         return out.reshape(T, H, D)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import torch
 
@@ -37,6 +37,7 @@ class VarlenCall:
     """One packed kernel call's metadata (Note [Varlen calls from items]); tensors on the device."""
 
     causal: bool
+    window: Optional[int]  # sliding window of the causal sequences (None: full causal)
     q_rows: torch.Tensor
     k_rows: torch.Tensor
     cu_seqlens_q: torch.Tensor
@@ -75,6 +76,7 @@ def varlen_calls(items: ItemTable, device: torch.device) -> tuple[VarlenCall, ..
         q_len, k_len = items.q_len[keep], items.k_len[keep]
         call = VarlenCall(
             causal,
+            items.window if causal else None,
             concat_ranges(items.q_start[keep], q_len).to(device),
             concat_ranges(items.k_start[keep], k_len).to(device),
             _cumulative(q_len).to(device),
@@ -131,13 +133,15 @@ class VarlenKernel(AttentionKernel):
                 f"kernel={self.name!r} runs in float16/bfloat16, got {q_HLD.dtype}; use kernel='sdpa' or autocast"
             )
 
-    def attend(self, calls, q_HLD, k_HND, v_HND, scale, dropout_p):
+    def attend(self, calls, q_HLD, k_HND, v_HND, scale, dropout_p, softcap=None):
         return packed_attention(
-            calls, q_HLD, k_HND, v_HND, lambda call, q, k, v: self.attend_packed(call, q, k, v, scale, dropout_p)
+            calls, q_HLD, k_HND, v_HND,
+            lambda call, q, k, v: self.attend_packed(call, q, k, v, scale, dropout_p, softcap),
         )
 
     @abstractmethod
-    def attend_packed(self, call: VarlenCall, q_THD, k_THD, v_THD, scale: float, dropout_p: float) -> torch.Tensor:
+    def attend_packed(self, call: VarlenCall, q_THD, k_THD, v_THD, scale: float, dropout_p: float,
+                      softcap: Optional[float] = None) -> torch.Tensor:
         """``q [Tq, H, D]``, ``k``/``v`` ``[Tk, Hk, D]`` packed as `call` says -> ``[Tq, H, D]``."""
 
 
