@@ -1,5 +1,6 @@
 """Balanced planner properties: a partition, equal token counts, work within 5% of the mean."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -83,3 +84,16 @@ def test_contiguous_layout_is_the_seed_chunking():
     assert plan.padded_len == 12
     assert plan.rank_positions(2).tolist() == [6, 7, 8]
     assert plan.contiguous_start(2) == 6
+
+
+def test_windowed_work_is_linear_and_balanced():
+    """With a window the balanced planner equalises windowed work (a document's work grows linearly)."""
+    ids = doc_ids_from_lengths((4000, 300, 200, 120, 60, 3000, 20))
+    for world in (2, 4):
+        windowed = plan_shards(ids, world, "balanced", window=128)
+        work = attention_work(windowed, ids, window=128)
+        assert float(work.max()) / float(work.float().mean()) <= 1 + BALANCE_TOLERANCE, work
+        total = attention_work(windowed, ids, window=128).sum()
+        assert int(total) <= 128 * ids.numel()  # linear: at most w keys per query
+    with pytest.raises(ValueError, match="window"):
+        plan_shards(ids, 2, "balanced", window=0)

@@ -102,3 +102,38 @@ def test_generic_entry_without_hook_runs_block_diagonal_path():
     with train_ctx() as state:
         assert state.plan.layout == "contiguous"
     assert "padding_mask" in out
+
+
+def test_extra_sequence_keys_are_sharded_and_unknown_ones_warned():
+    """Gemma 3n-style per-layer inputs shard on the dim seq_dims names; an unknown length-S tensor warns."""
+    S = 10
+    per_layer = torch.arange(S * 3 * 2, dtype=torch.float32).reshape(1, S, 3, 2)
+    batch = {"input_ids": torch.ones(1, S, dtype=torch.long), "_packed_seq_ids": torch.tensor([1] * 6 + [2] * 4),
+             "per_layer_inputs": per_layer, "mystery": torch.zeros(4, S)}
+    with pytest.warns(UserWarning, match="'mystery'.*seq_dims=\\{'mystery': 1\\}"):
+        _, out = make_cp_blockdiag_batch_and_ctx(None, None, batch, seq_dims={"per_layer_inputs": 1})
+    assert torch.equal(out["per_layer_inputs"], per_layer)  # world 1: all positions, padded to S
+    assert out["_packed_seq_ids"].tolist() == [[1] * 6 + [2] * 4]  # [S] accepted like [1, S]
+    with pytest.raises(ValueError, match="seq_dims"):
+        make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": torch.ones(1, S, dtype=torch.long),
+                                                     "x": torch.zeros(1, 3)}, seq_dims={"x": 1})
+
+
+def seq_dims_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    per_layer = torch.arange(21 * 3, dtype=torch.float32).reshape(1, 21, 3)
+    batch = {"input_ids": torch.ones(1, 21, dtype=torch.long), "per_layer_inputs": per_layer,
+             "_packed_seq_ids": doc_ids_from_lengths(SEGMENTS)}
+    _, out = make_cp_blockdiag_batch_and_ctx(mesh["cp"], None, batch, seq_dims={"per_layer_inputs": 1},
+                                             config=CPConfig(layout="balanced"))
+    return out["per_layer_inputs"]
+
+
+def test_extra_sequence_keys_follow_the_plan_on_every_rank():
+    shards = spawn(seq_dims_worker, 3)
+    plan = plan_shards(doc_ids_from_lengths(SEGMENTS), 3, "balanced")
+    full = torch.cat([torch.arange(21 * 3, dtype=torch.float32).reshape(1, 21, 3), torch.zeros(1, plan.padded_len - 21, 3)], 1)
+    for rank, shard in enumerate(shards):
+        assert torch.equal(shard, full[:, plan.rank_positions(rank)])

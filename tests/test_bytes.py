@@ -16,12 +16,13 @@ LAYOUTS = {
 }
 
 
-def minimum_rows(geometry, rank):
-    """Forward: rows I own that others need; backward: the gradients of rows I received."""
+def minimum_rows(geometry, rank, window=None):
+    """Forward: rows I own that others need; backward: the gradients of rows I received (under `window`)."""
     owner = geometry.owner
     mine = owner == rank
-    others_need = sum(int((geometry.need_WS[j] & mine).sum()) for j in range(geometry.world) if j != rank)
-    i_received = int((geometry.need_WS[rank] & ~mine).sum())
+    need = geometry.need_at(torch.arange(owner.numel()), window)  # checked against a brute force in test_geometry
+    others_need = sum(int((need[j] & mine).sum()) for j in range(geometry.world) if j != rank)
+    i_received = int((need[rank] & ~mine).sum())
     return others_need + i_received
 
 
@@ -30,7 +31,7 @@ def wchar():
         return next(int(line.split()[1]) for line in f if line.startswith("wchar"))
 
 
-def meter_worker(rank, world, segments, exchanges, layout):
+def meter_worker(rank, world, segments, exchanges, layout, window=None):
     """Bytes this rank writes during one attention forward+backward, per requested exchange."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -49,13 +50,15 @@ def meter_worker(rank, world, segments, exchanges, layout):
         dist.barrier()
         with train_ctx() as state:
             before = wchar()
-            out = cp_blockdiag_sdpa(q, k, v)
+            out = cp_blockdiag_sdpa(q, k, v, sliding_window=window)
             out.sum().backward()
             sent = wchar() - before
         dist.barrier()
-        t = state.traffic
-        results[exchange] = {"sent": sent, "min_rows": minimum_rows(state.geometry, rank),
-                             "exchange": state.exchange.name, "planned_rows": t.sent_fwd + t.sent_bwd}
+        routed = state.exchange_for(window)
+        t = routed.traffic
+        results[exchange] = {"sent": sent, "min_rows": minimum_rows(state.geometry, rank, window),
+                             "full_causal_rows": minimum_rows(state.geometry, rank),
+                             "exchange": routed.name, "planned_rows": t.sent_fwd + t.sent_bwd}
     return results
 
 
@@ -80,3 +83,17 @@ def test_ring_and_allgather_send_what_they_plan():
         gloo = gather["planned_rows"] * ROW_BYTES * 3 // 2
         assert gather["min_rows"] < gather["planned_rows"]
         assert gloo <= gather["sent"] <= 1.10 * gloo + FRAMING, (rank, gather)
+
+
+@pytest.mark.parametrize("world,layout", [(2, "contiguous"), (4, "contiguous"), (2, "balanced")])
+def test_windowed_exchanges_move_only_the_window(world, layout):
+    """A window of 64 over long documents: each boundary moves at most 63 rows (plus their gradients)."""
+    segments, window = LAYOUTS["one_doc"], 64
+    for rank, per_exchange in enumerate(spawn(meter_worker, world, segments, ("auto", "a2a", "halo"), layout, window)):
+        for exchange, r in per_exchange.items():
+            minimum = r["min_rows"] * ROW_BYTES
+            assert r["planned_rows"] == r["min_rows"], (rank, exchange, r)
+            assert minimum <= r["sent"] <= 1.10 * minimum + FRAMING, (rank, exchange, r)
+            if layout == "contiguous":
+                assert r["min_rows"] <= 2 * 2 * (window - 1), (rank, exchange, r)  # both boundaries, fwd + bwd
+                assert r["min_rows"] * 10 < r["full_causal_rows"], (rank, exchange, r)

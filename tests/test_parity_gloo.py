@@ -17,7 +17,7 @@ TOL = 1e-10
 
 @functools.lru_cache(maxsize=None)
 def results_for(world: int):
-    return spawn(parity_worker, world, matrix_cases(), timeout=600)
+    return spawn(parity_worker, world, matrix_cases(world), timeout=600)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
@@ -34,7 +34,7 @@ def test_matches_float64_oracle(world, exchange):
                 c = r.case
                 bad.append(f"rank {rank} {c.segments} kernel={c.kernel} layout={c.layout} ckpt={c.checkpoint} "
                            f"ran={r.exchange}: out {r.out_err:.2e} grad {r.grad_err:.2e}")
-    assert checked == world * sum(c.kv_exchange == exchange for c in matrix_cases())
+    assert checked == world * sum(c.kv_exchange == exchange for c in matrix_cases(world))
     assert not bad, "\n".join(bad)
 
 
@@ -68,7 +68,7 @@ def test_every_exchange_routes_as_it_should(world):
             want = requested if requested in ("allgather", "a2a", "ring") else expected_routing(r.case, world)[requested]
             assert r.exchange == want, (r.case, r.exchange, want)
             checked += 1
-    assert checked == world * len(matrix_cases())
+    assert checked == world * len(matrix_cases(world))
     ran = {(r.case.kv_exchange, r.exchange) for results in results_for(world) for r in results}
     assert ("auto", "halo") in ran and ("halo", "halo") in ran  # both branches are exercised
 
@@ -104,7 +104,7 @@ def many_docs_cases():
             if not (k == "dense" and ex != "auto")]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3])
 def test_hundreds_of_documents_per_rank_match_the_oracle(world):
     """The batching of tiny pieces (padded buckets, equal shapes) is exact, forward and backward."""
     cases = many_docs_cases()
@@ -115,3 +115,22 @@ def test_hundreds_of_documents_per_rank_match_the_oracle(world):
         for r in results:
             assert r.out_err < TOL and r.grad_err < TOL, (r.case.kv_exchange, r.case.kernel, r.case.layout,
                                                           r.out_err, r.grad_err)
+
+
+def layer_feature_cases():
+    """Sliding windows shorter than the documents, with softcapping and sinks, on every exchange."""
+    segments = (5, 9, -2, 13, 1, 2, 3, -3, 27)
+    features = [dict(window=4), dict(window=1), dict(window=6, softcap=30.0, sinks=True), dict(softcap=5.0, sinks=True)]
+    return [ParityCase(segments, heads=4, kv_heads=2, kv_exchange=ex, kernel=k, layout=lay, seed=3, **f)
+            for ex in EXCHANGES for k in ("sdpa", "dense") for lay in ("contiguous", "balanced") for f in features]
+
+
+def test_windows_softcap_and_sinks_match_the_oracle():
+    cases = layer_feature_cases()
+    for results in spawn(parity_worker, 3, cases, timeout=600):
+        assert len(results) == len(cases)
+        bad = [(r.case.kv_exchange, r.case.kernel, r.case.layout, r.case.window, r.case.softcap, r.case.sinks,
+                r.out_err, r.grad_err) for r in results if not (r.out_err < TOL and r.grad_err < TOL)]
+        assert not bad, bad
+        windowed_ring = [r for r in results if r.case.kv_exchange == "ring" and r.case.window is not None]
+        assert windowed_ring and all(r.exchange == "a2a" for r in windowed_ring)  # ring serves windows via a2a

@@ -8,6 +8,7 @@ a frozen `StepState`. ``train_ctx()`` activates that state so every
 from __future__ import annotations
 
 import functools
+import warnings
 import zlib
 from types import MappingProxyType
 from typing import Any, Callable, ContextManager, Mapping, Optional
@@ -54,6 +55,7 @@ def make_cp_blockdiag_batch_and_ctx(
     loss_mask: Optional[torch.Tensor] = None,
     padding_token_id: int = 0,
     config: Optional[CPConfig] = None,
+    seq_dims: Optional[Mapping[str, int]] = None,
 ) -> tuple[Callable[[], ContextManager], dict[str, Any]]:
     """Shard a packed batch for block-diagonal CP and return ``(train_ctx, batch)``.
 
@@ -64,14 +66,21 @@ def make_cp_blockdiag_batch_and_ctx(
         batch: exactly one of ``inputs_embeds [1, S, E]`` (sliced differentiably, so
             gradients reach the full tensor) or ``input_ids [1, S]``. Mutated in
             place: ``attention_mask`` and flattening metadata are dropped,
-            ``padding_mask [1, L]`` (True = pad) is added, ``position_ids`` are added
-            when absent (0..S-1, as the unsharded model would use), and every
-            sequence-aligned tensor (`SEQUENCE_KEYS`; ``position_ids`` may be
-            ``[3, 1, S]`` mRoPE) is padded and reduced to this rank's ``L`` positions.
+            ``padding_mask [1, L]`` (True = pad) is added (a caller's ``padding_mask``
+            is replaced by the one the document ids give, as in the seed),
+            ``position_ids`` are added when absent (0..S-1, as the unsharded model
+            would use), and every sequence-aligned tensor (`SEQUENCE_KEYS`;
+            ``position_ids`` may be ``[3, 1, S]`` mRoPE; ``_packed_seq_ids`` may be
+            ``[S]``) is padded and reduced to this rank's ``L`` positions. Another
+            tensor with a dimension of length ``S`` is left whole, with a warning
+            naming it, unless `seq_dims` says how to shard it.
         loss_mask: optional ``[1, S]`` per-token loss mask, padded with 0, sharded and
             stored as ``batch["loss_mask"]``.
         padding_token_id: the fill of padded ``input_ids``.
         config: `CPConfig` (exchange, kernel, layout); default `CPConfig()`.
+        seq_dims: extra sequence-aligned keys and their sequence dimension, e.g.
+            Gemma 3n's ``{"per_layer_inputs": 1}`` for ``[1, S, layers, dim]``; they are
+            padded with 0 (False for bool) and sharded like the others.
 
     Returns:
         ``(train_ctx, batch)``: ``train_ctx()`` returns the context manager that
@@ -83,8 +92,12 @@ def make_cp_blockdiag_batch_and_ctx(
     world, rank, group = _cp_group(cp_mesh)
     if loss_mask is not None:
         batch["loss_mask"] = loss_mask
+    packed = batch.get("_packed_seq_ids")
+    if isinstance(packed, torch.Tensor) and packed.dim() == 1:
+        batch["_packed_seq_ids"] = packed.unsqueeze(0)
     try:
-        _, S, device = _check_batch(batch)
+        seq_dims = _check_seq_dims(seq_dims)
+        _, S, device = _check_batch(batch, seq_dims)
         doc_ids_1S = resolve_doc_ids(batch, S, device, 1)
         problem = None
     except ValueError as exc:
@@ -93,13 +106,14 @@ def make_cp_blockdiag_batch_and_ctx(
         _check_ranks_agree(doc_ids_1S, config, group, _mesh_device(cp_mesh), problem)
     if problem is not None:
         raise problem
-    state = shard_step(batch, doc_ids_1S, world, rank, group, config, padding_token_id)
+    _warn_unsharded(batch, S, seq_dims)
+    state = shard_step(batch, doc_ids_1S, world, rank, group, config, padding_token_id, seq_dims)
     return functools.partial(STEP_SLOT.activate, state), batch
 
 
 def shard_step(
     batch: dict[str, Any], doc_ids_1S: torch.Tensor, world: int, rank: int, group: Any, config: CPConfig,
-    padding_token_id: int = 0,
+    padding_token_id: int = 0, seq_dims: Optional[Mapping[str, int]] = None,
 ) -> StepState:
     """Plan the step and shard `batch` in place for `rank` of `world` (no collective).
 
@@ -115,7 +129,7 @@ def shard_step(
         batch["position_ids"] = torch.arange(S, device=doc_ids_1S.device).unsqueeze(0)
     batch["padding_mask"] = doc_ids_1S == 0
     state = build_step_state(doc_ids_1S[0], world, rank, group, config, doc_ids_1S.device)
-    _shard_batch(batch, state.plan, rank, padding_token_id)
+    _shard_batch(batch, state.plan, rank, padding_token_id, seq_dims or {})
     return state
 
 
@@ -157,7 +171,29 @@ def _seq_dim(key: str, tensor: torch.Tensor) -> int:
     return 2 if key == "position_ids" and tensor.dim() == 3 else 1
 
 
-def _check_batch(batch: Mapping[str, Any]) -> tuple[str, int, torch.device]:
+def _check_seq_dims(seq_dims: Optional[Mapping[str, int]]) -> dict[str, int]:
+    if seq_dims is None:
+        return {}
+    if not isinstance(seq_dims, Mapping) or not all(isinstance(k, str) for k in seq_dims):
+        raise CPTypeError(f"seq_dims must map batch keys to their sequence dimension, got {seq_dims!r}")
+    if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in seq_dims.values()):
+        raise ValueError(f"seq_dims must give non-negative int dimensions, got {dict(seq_dims)!r}")
+    return dict(seq_dims)
+
+
+def _warn_unsharded(batch: Mapping[str, Any], S: int, seq_dims: Mapping[str, int]) -> None:
+    """Warn about tensors that look sequence-aligned but that no rule shards (they stay whole on every rank)."""
+    known = {*SEQUENCE_KEYS, *seq_dims, *UNSHARDED_ROW_KEYS}
+    for key, t in batch.items():
+        if key not in known and isinstance(t, torch.Tensor) and t.dim() >= 1 and S in t.shape:
+            warnings.warn(
+                f"blockdiag-cp: batch[{key!r}] {tuple(t.shape)} has a dimension of the sequence length {S} but is not "
+                f"sharded (every rank keeps it whole); if it is sequence-aligned, pass "
+                f"seq_dims={{{key!r}: {list(t.shape).index(S)}}}"
+            )
+
+
+def _check_batch(batch: Mapping[str, Any], seq_dims: Mapping[str, int] = MappingProxyType({})) -> tuple[str, int, torch.device]:
     """Return ``(primary key, S, device)``; `ValueError` for a batch CP cannot shard."""
     has_embeds, has_ids = batch.get("inputs_embeds") is not None, batch.get("input_ids") is not None
     if has_embeds == has_ids:
@@ -194,6 +230,11 @@ def _check_batch(batch: Mapping[str, Any]) -> tuple[str, int, torch.device]:
                     f"batch[{name!r}] {tuple(t.shape)} is not aligned with the sequence: expected "
                     f"batch size 1 and length {S} on dim {dim}"
                 )
+    for name, dim in seq_dims.items():
+        t = batch.get(name)
+        if not isinstance(t, torch.Tensor) or t.dim() <= dim or t.shape[dim] != S:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"seq_dims[{name!r}] = {dim}: batch[{name!r}] {shape} has no length-{S} dimension {dim}")
     return key, S, primary.device
 
 
@@ -217,15 +258,18 @@ def _check_ranks_agree(
     )
 
 
-def _shard_batch(batch: dict[str, Any], plan: ShardPlan, rank: int, padding_token_id: int) -> None:
+def _shard_batch(
+    batch: dict[str, Any], plan: ShardPlan, rank: int, padding_token_id: int, seq_dims: Mapping[str, int]
+) -> None:
     """Pad every sequence-aligned tensor to ``plan.padded_len`` and keep `rank`'s positions."""
     start = plan.contiguous_start(rank)
     positions = plan.rank_positions(rank)
-    for key, fill in SEQUENCE_KEYS.items():
+    rules = [(key, fill, None) for key, fill in SEQUENCE_KEYS.items()] + [(key, 0, d) for key, d in seq_dims.items()]
+    for key, fill, given_dim in rules:
         t = batch.get(key)
         if not isinstance(t, torch.Tensor):
             continue
-        dim = _seq_dim(key, t)
+        dim = _seq_dim(key, t) if given_dim is None else given_dim
         pad_value = padding_token_id if fill == "pad_token" else fill
         padded = _pad(t, dim, plan.padded_len, 0 if t.is_floating_point() else pad_value)
         if start is not None:

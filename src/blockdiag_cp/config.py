@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from .errors import CPTypeError
 
@@ -39,12 +40,17 @@ class CPConfig:
         check_ranks_agree: at step start, verify with one small collective that
             every rank of the CP group holds the same document ids (a mismatch
             raises the same error everywhere instead of hanging). Turn off for speed.
+        balance_window: the balanced layout's work model assumes every layer attends
+            through this sliding window (a windowed document's work is linear in its
+            length); None (default) balances full causal attention, right for any
+            model with a global layer.
     """
 
     kv_exchange: str = "auto"
     kernel: str = "auto"
     layout: str = "contiguous"
     check_ranks_agree: bool = True
+    balance_window: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_choice("kv_exchange", self.kv_exchange, KV_EXCHANGES)
@@ -52,3 +58,8 @@ class CPConfig:
         check_choice("layout", self.layout, LAYOUTS)
         if not isinstance(self.check_ranks_agree, bool):
             raise CPTypeError(f"check_ranks_agree must be a bool, got {self.check_ranks_agree!r}")
+        window = self.balance_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+            raise CPTypeError(f"balance_window must be an int or None, got {type(window).__name__}")
+        if window is not None and window < 1:
+            raise ValueError(f"balance_window must be >= 1, got {window}")

@@ -6,16 +6,20 @@ uses transformers' public registries, ``AttentionInterface`` and
 
 - Inside a CP step (``with train_ctx():``) attention is block-diagonal CP attention
   and no mask is built at all.
-- Outside a step, a packed single row (documents marked by ``cu_seq_lens_q`` or by
+- Outside a step, a single row (documents marked by ``cu_seq_lens_q`` or by
   ``position_ids`` that do not step by +1, as ``DataCollatorWithFlattening`` makes
-  them; a padding ``attention_mask`` is honoured too) still gets per-document
-  attention, planned once per forward (the first layer plans, the others reuse it);
-  any other batch gets stock SDPA with the mask transformers builds for it.
+  them, else one document; a padding ``attention_mask`` is honoured too) still gets
+  per-document attention, planned once per forward (the first layer plans, the others
+  reuse it); batches of several rows and cached decoding get stock SDPA with the mask
+  transformers builds for them.
+- Each layer's sliding window (``sliding_window``), logit softcap (``softcap``) and
+  attention sinks (``s_aux``) are honoured per document: Mistral, Qwen2, Gemma 2 and
+  3, gpt-oss.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -24,61 +28,47 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention import attend_in_step, autocast_inputs, cp_blockdiag_sdpa, refuse_late_recompute
 from .config import CPConfig
-from .doc_ids import block_causal_mask, position_breaks, resolve_doc_ids
+from .doc_ids import block_causal_mask, resolve_doc_ids
 from .slot import STEP_SLOT, current_step
 from .state import StepState, build_step_state
 
 ATTN_IMPLEMENTATION = "blockdiag_cp"
 
 
-def _refuse_unsupported(
-    module: torch.nn.Module, kwargs: dict[str, Any], longest_doc: Callable[[], Optional[int]]
-) -> None:
-    """Refuse what per-document causal attention would silently get wrong.
-
-    `longest_doc` is called only when the layer has a sliding window (None: unknown).
-    """
+def layer_features(module: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The layer's sliding window, logit softcap and attention sinks, as transformers hands them over."""
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-    longest = longest_doc() if window is not None else None
-    if window is not None and (longest is None or longest > window):
-        raise ValueError(
-            f"layer {getattr(module, 'layer_idx', '?')} uses sliding-window attention (window {window}) and a "
-            f"document is longer than the window; blockdiag_cp computes full causal attention per document, so it "
-            "refuses rather than be silently wrong. Use documents no longer than the window or another implementation."
-        )
-    for unsupported in ("softcap", "s_aux"):
-        if kwargs.get(unsupported) is not None:
-            raise ValueError(f"blockdiag_cp attention does not support {unsupported!r}")
+    return {"sliding_window": window, "softcap": kwargs.get("softcap"), "sinks": kwargs.get("s_aux")}
 
 
-def _packed_row_doc_ids(
+def _row_doc_ids(
     S: int, device: torch.device, position_ids: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-    mask_11SS: Optional[torch.Tensor],
-) -> Optional[torch.Tensor]:
-    """Document ids ``[S]`` of a packed single row, or None when the row is not packed.
+    mask_11SS: Optional[torch.Tensor], window: Optional[int],
+) -> torch.Tensor:
+    """Document ids ``[S]`` of a single row: its packed documents, or one document.
 
     Packed: ``cu_seq_lens_q`` is given, or 2-D ``position_ids`` break (do not step by
     +1). The padding of a 4-D ``[1, 1, S, S]`` mask (its diagonal) marks padding
-    tokens; within each document the mask must be causal, else a `ValueError`.
+    tokens; within each document the mask must be causal (under the layer's sliding
+    `window`), else a `ValueError`.
     """
-    if cu_seqlens is None:
-        if position_ids is None or position_ids.dim() != 2 or position_ids.shape != (1, S):
-            return None
-        if not bool(position_breaks(position_ids).any()):
-            return None
-    marks: dict[str, Any] = {"cu_seq_lens_q": cu_seqlens, "position_ids": position_ids}
+    marks: dict[str, Any] = {"cu_seq_lens_q": cu_seqlens}
+    if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 and position_ids.shape == (1, S):
+        marks["position_ids"] = position_ids
     if mask_11SS is not None:
         marks["attention_mask"] = mask_11SS[0, 0].diagonal().unsqueeze(0).long()
     doc_ids_S = resolve_doc_ids({k: v for k, v in marks.items() if v is not None}, S, device, 1)[0]
     if mask_11SS is not None:
-        _check_mask_is_causal_within_documents(mask_11SS[0, 0], doc_ids_S)
+        _check_mask_is_causal_within_documents(mask_11SS[0, 0], doc_ids_S, window)
     return doc_ids_S
 
 
-def _check_mask_is_causal_within_documents(mask_SS: torch.Tensor, doc_ids_S: torch.Tensor) -> None:
-    """`ValueError` unless the model's mask, inside each document, is exactly causal."""
+def _check_mask_is_causal_within_documents(mask_SS: torch.Tensor, doc_ids_S: torch.Tensor, window) -> None:
+    """`ValueError` unless the model's mask, inside each document, is exactly causal (within `window`)."""
     allowed = mask_SS == 0 if mask_SS.is_floating_point() else mask_SS.bool()
     ours = block_causal_mask(doc_ids_S.unsqueeze(0))[0]
+    if window is not None:
+        ours &= torch.ones_like(ours).triu(-(window - 1))
     same_doc = (doc_ids_S.unsqueeze(0) == doc_ids_S.unsqueeze(1)) & (doc_ids_S != 0).unsqueeze(0)
     if not torch.equal(allowed & same_doc, ours):
         raise ValueError(
@@ -88,19 +78,21 @@ def _check_mask_is_causal_within_documents(mask_SS: torch.Tensor, doc_ids_S: tor
         )
 
 
-def _packed_row_state(query: torch.Tensor, key: torch.Tensor, attention_mask, kwargs) -> Optional[StepState]:
-    """The one-rank step state of a packed row outside a step, planned once per forward (None: not packed)."""
+def _row_state(query: torch.Tensor, key: torch.Tensor, attention_mask, window, kwargs) -> Optional[StepState]:
+    """The one-rank step state of a single row outside a step (its packed documents, or one),
+    planned once per forward; None for batches of several rows or with a cache (q_len != k_len)."""
     S = query.shape[2]
     if query.shape[0] != 1 or key.shape[2] != S:
         return None
-    mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.shape == (1, 1, S, S) else None
+    if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor) and attention_mask.shape == (1, 1, S, S)):
+        return None
     position_ids, cu_seqlens = kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q")
 
-    def plan() -> Optional[StepState]:
-        doc_ids = _packed_row_doc_ids(S, query.device, position_ids, cu_seqlens, mask)
-        return None if doc_ids is None else build_step_state(doc_ids, 1, 0, None, CPConfig(), query.device)
+    def plan() -> StepState:
+        doc_ids = _row_doc_ids(S, query.device, position_ids, cu_seqlens, attention_mask, window)
+        return build_step_state(doc_ids, 1, 0, None, CPConfig(), query.device)
 
-    return STEP_SLOT.implicit_state((position_ids, cu_seqlens, mask), (S, query.device), plan)
+    return STEP_SLOT.implicit_state((position_ids, cu_seqlens, attention_mask), (S, query.device, window), plan)
 
 
 def blockdiag_cp_attention(
@@ -122,17 +114,18 @@ def blockdiag_cp_attention(
                 "computes causal attention per document. Run non-causal modules before sharding, or give them "
                 "another attn_implementation."
             )
-        _refuse_unsupported(module, kwargs, lambda: state.geometry.longest_document)
-        out = cp_blockdiag_sdpa(query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=True)
+        out = cp_blockdiag_sdpa(query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=True,
+                                **layer_features(module, kwargs))
         return out.transpose(1, 2).contiguous(), None
     refuse_late_recompute(query, key, value)
-    local = _packed_row_state(query, key, attention_mask, kwargs) if getattr(module, "is_causal", True) else None
+    features = layer_features(module, kwargs)
+    causal = getattr(module, "is_causal", True)
+    local = _row_state(query, key, attention_mask, features["sliding_window"], kwargs) if causal else None
     if local is not None:
-        _refuse_unsupported(module, kwargs, lambda: local.geometry.longest_document)
         query, key, value = autocast_inputs(query, key, value)
-        out = attend_in_step(local, query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=True)
+        out = attend_in_step(local, query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=True, **features)
         return out.transpose(1, 2).contiguous(), None
-    _refuse_unsupported(module, kwargs, lambda: None)
+    _refuse_beyond_sdpa(module, kwargs)
     q_len, kv_len = query.shape[2], key.shape[2]
     if attention_mask is None and q_len > 1 and getattr(module, "is_causal", True):
         # causal, aligned bottom-right (queries are the last q_len positions, as with a cache)
@@ -142,6 +135,19 @@ def blockdiag_cp_attention(
         scale=scaling, enable_gqa=key.shape[1] != query.shape[1],
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _refuse_beyond_sdpa(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """A padded (not packed) batch outside a step runs stock SDPA with transformers' mask (its
+    sliding window included): softcap and sinks have no SDPA form, so refuse them there."""
+    features = layer_features(module, kwargs)
+    for name in ("softcap", "sinks"):
+        if features[name] is not None:
+            raise ValueError(
+                f"blockdiag_cp attention runs {name!r} for packed rows and inside CP steps; this batch is neither "
+                "(padded rows outside a step run stock SDPA, which has no such input). Pack the rows "
+                "(DataCollatorWithFlattening) or use the model's eager attention for it."
+            )
 
 
 def blockdiag_cp_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:

@@ -42,6 +42,8 @@ import torch
 if TYPE_CHECKING:
     from .state import StepState
 
+#: planned rows kept for attention outside a step (one per layer kind of the forward in flight)
+IMPLICIT_ENTRIES = 4
 #: the shapes and dtypes of an attention call's q, k and v (see `attention.call_signature`)
 CallSignature = tuple
 
@@ -78,7 +80,7 @@ class StepSlot:
         self._active: Optional[_ActiveStep] = None
         self._ended: Optional[EndedStep] = None
         self._next_id = 0
-        self._implicit: Optional[tuple[tuple, Optional["StepState"]]] = None
+        self._implicit: dict[tuple, Optional["StepState"]] = {}
 
     def current(self) -> Optional["StepState"]:
         with self._lock:
@@ -147,17 +149,20 @@ class StepSlot:
         """The state cached for `sources` (the same tensor objects, unmodified) and `tag`, else `build()`.
 
         Used outside a step, where every layer of one forward passes the same
-        ``position_ids`` / ``cu_seq_lens_q`` / mask tensors: the first layer plans
-        (host work), the others reuse its result with none. The entry is dropped
-        when a source tensor is freed, so a new tensor can never hit it.
+        ``position_ids`` / ``cu_seq_lens_q`` / mask tensors: the first layer of each kind
+        plans (host work), the others reuse its result with none. A few entries are
+        kept (a model alternating local and global layers uses two); an entry is
+        dropped when one of its source tensors is freed, so a new tensor never hits it.
         """
         key = (tag, *((id(t), t._version) if t is not None else None for t in sources))
         with self._lock:
-            if self._implicit is not None and self._implicit[0] == key:
-                return self._implicit[1]
+            if key in self._implicit:
+                return self._implicit[key]
         state = build()
         with self._lock:
-            self._implicit = (key, state)
+            while len(self._implicit) >= IMPLICIT_ENTRIES:
+                self._implicit.pop(next(iter(self._implicit)))
+            self._implicit[key] = state
         for t in sources:
             if t is not None:
                 weakref.finalize(t, self._drop_implicit, key)
@@ -165,8 +170,7 @@ class StepSlot:
 
     def _drop_implicit(self, key: tuple) -> None:
         with self._lock:
-            if self._implicit is not None and self._implicit[0] == key:
-                self._implicit = None
+            self._implicit.pop(key, None)
 
 
 STEP_SLOT = StepSlot()

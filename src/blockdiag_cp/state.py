@@ -124,10 +124,10 @@ class StepState:
         """K/V rows this rank sends/receives per attention call (forward and backward)."""
         return self.exchange.traffic
 
-    def work_per_rank(self) -> torch.Tensor:
-        """``[W]``: causal attention work (query-key pairs) per rank."""
+    def work_per_rank(self, window: Optional[int] = None) -> torch.Tensor:
+        """``[W]``: causal attention work (query-key pairs) per rank (under a sliding `window`)."""
         real = self.geometry.doc_ids[: self.plan.seq_len]
-        return attention_work(self.plan, real)
+        return attention_work(self.plan, real, window)
 
 
 def build_step_state(
@@ -138,7 +138,7 @@ def build_step_state(
     Every input is identical on all ranks of the group (the ranks-agree check runs
     before this), so every rank reaches the same state without communicating.
     """
-    plan = make_plan(doc_ids_S.cpu(), world, config.layout)
+    plan = make_plan(doc_ids_S.cpu(), world, config.layout, config.balance_window)
     geometry = StepGeometry.build(plan, doc_ids_S)
     kernel, kernel_reason = select_kernel(config.kernel, device, need_lse=config.kv_exchange == "ring")
     fallbacks = fallback_kernels(config.kernel, kernel, device)

@@ -1,6 +1,7 @@
 """Token-to-rank layouts: `plan_shards` and the planners behind it.
 
-Each planner is a strategy ``(doc_ids [S], world) -> ShardPlan``:
+Each planner is a strategy ``(doc_ids [S], world, window) -> ShardPlan`` (``window``:
+the model's sliding window for the work model, None for full causal attention):
 
     contiguous   the seed's equal contiguous chunks            (contiguous.py)
     balanced     equal tokens and equal causal attention work  (balanced.py)
@@ -11,7 +12,7 @@ Each planner is a strategy ``(doc_ids [S], world) -> ShardPlan``:
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional
 
 import torch
 
@@ -22,18 +23,22 @@ from .balanced import plan_balanced
 from .contiguous import plan_contiguous
 from .plan import ShardPlan, attention_work, pad_doc_ids, query_work
 
-PLANNERS: Mapping[str, Callable[[torch.Tensor, int], ShardPlan]] = MappingProxyType(
+PLANNERS: Mapping[str, Callable[[torch.Tensor, int, Optional[int]], ShardPlan]] = MappingProxyType(
     {"contiguous": plan_contiguous, "balanced": plan_balanced}
 )
 
 
-def plan_shards(doc_ids: torch.Tensor, world: int, layout: str = "contiguous") -> ShardPlan:
+def plan_shards(
+    doc_ids: torch.Tensor, world: int, layout: str = "contiguous", window: Optional[int] = None
+) -> ShardPlan:
     """Assign the padded row's positions to `world` ranks.
 
     Args:
         doc_ids: ``[1, S]`` or ``[S]`` integer document ids, 0 = padding.
         world: number of CP ranks (>= 1).
         layout: ``"contiguous"`` or ``"balanced"``.
+        window: the balanced layout's work model counts a sliding window of this size
+            (every layer windowed); None: full causal attention.
 
     Returns:
         The `ShardPlan`; `make_cp_blockdiag_batch_and_ctx` with the same layout
@@ -53,13 +58,15 @@ def plan_shards(doc_ids: torch.Tensor, world: int, layout: str = "contiguous") -
         raise ValueError(f"doc_ids must hold one packed row, got batch size {ids_1S.shape[0]}")
     if ids_1S.shape[1] == 0:
         raise ValueError("doc_ids is empty: the sequence must hold at least one token")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
     ids_S = validate_doc_ids(ids_1S, ids_1S.shape[1], 1).reshape(-1).cpu()
-    return make_plan(ids_S, world, layout)
+    return make_plan(ids_S, world, layout, window)
 
 
-def make_plan(doc_ids_S: torch.Tensor, world: int, layout: str) -> ShardPlan:
+def make_plan(doc_ids_S: torch.Tensor, world: int, layout: str, window: Optional[int] = None) -> ShardPlan:
     """`plan_shards` for ids already validated: ``[S]`` int64 on the CPU."""
-    return PLANNERS[layout](doc_ids_S, world)
+    return PLANNERS[layout](doc_ids_S, world, window)
 
 
 __all__ = (

@@ -39,6 +39,8 @@ randomness, ties broken by position. Cost ``O(S log S)`` per attempt (numpy).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 
@@ -51,13 +53,13 @@ BALANCE_TOLERANCE = 0.05
 _NEAR_TARGET = 0.005
 
 
-def plan_balanced(doc_ids_S: torch.Tensor, world: int) -> ShardPlan:
-    """Plan equal-token, equal-work shards (Note [Balanced planner])."""
+def plan_balanced(doc_ids_S: torch.Tensor, world: int, window: Optional[int] = None) -> ShardPlan:
+    """Plan equal-token, equal-work shards (Note [Balanced planner]); work under `window` if given."""
     S = doc_ids_S.numel()
     L = -(-S // world)
     ids = pad_doc_ids(doc_ids_S, L * world)
-    work = query_work(ids).numpy()
-    offset = work - 1  # position inside the document (-1 for padding)
+    offset = query_work(ids).numpy() - 1  # position inside the document (-1 for padding)
+    work = query_work(ids, window).numpy()
     length = _document_lengths(ids)
     best, best_spread = None, float("inf")
     chunk = max(1, L)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .plan import ShardPlan
 
 
-def plan_contiguous(doc_ids_S: torch.Tensor, world: int) -> ShardPlan:
+def plan_contiguous(doc_ids_S: torch.Tensor, world: int, window: Optional[int] = None) -> ShardPlan:
     """Pad to a multiple of `world`; rank r owns ``[r*L, (r+1)*L)``."""
     S = doc_ids_S.numel()
     local_len = -(-S // world)

@@ -5,8 +5,9 @@ rank ``local_len = padded_len // world`` positions, listed in ascending order. E
 position belongs to exactly one rank, so shapes are equal on every rank.
 
 The work model: a real query at position ``g`` of a document starting at ``s`` sees
-``g - s + 1`` keys, so the causal attention work of a rank is the sum of that over
-the real positions it owns.
+``g - s + 1`` keys (``min(g - s + 1, w)`` under a sliding window ``w``: a windowed
+document's work is linear in its length), so the attention work of a rank is the sum
+of that over the real positions it owns.
 """
 
 from __future__ import annotations
@@ -72,13 +73,16 @@ def pad_doc_ids(doc_ids_S: torch.Tensor, padded_len: int) -> torch.Tensor:
     return torch.cat([doc_ids_S, doc_ids_S.new_zeros(padded_len - doc_ids_S.numel())])
 
 
-def query_work(doc_ids_S: torch.Tensor) -> torch.Tensor:
-    """``[S]`` int64: keys each position's query sees (0 for padding)."""
+def query_work(doc_ids_S: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
+    """``[S]`` int64: keys each position's query sees (0 for padding), at most `window`."""
     index = torch.arange(doc_ids_S.numel(), device=doc_ids_S.device)
-    return torch.where(doc_ids_S != 0, index - doc_starts(doc_ids_S) + 1, 0)
+    seen = index - doc_starts(doc_ids_S) + 1
+    if window is not None:
+        seen = seen.clamp(max=window)
+    return torch.where(doc_ids_S != 0, seen, 0)
 
 
-def attention_work(plan: ShardPlan, doc_ids_S: torch.Tensor) -> torch.Tensor:
-    """``[W]`` int64: causal attention work (query-key pairs) per rank under `plan`."""
-    work_S = query_work(pad_doc_ids(doc_ids_S.cpu(), plan.padded_len))
+def attention_work(plan: ShardPlan, doc_ids_S: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
+    """``[W]`` int64: causal attention work (query-key pairs) per rank under `plan` (and `window`)."""
+    work_S = query_work(pad_doc_ids(doc_ids_S.cpu(), plan.padded_len), window)
     return work_S[plan.positions_WL].sum(dim=1)

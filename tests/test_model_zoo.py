@@ -1,0 +1,131 @@
+"""The decoder families people pack: sliding windows, alternating local/global layers, softcapping, sinks.
+
+Tiny random Mistral, Qwen2, Gemma 2, Gemma 3 and gpt-oss, with windows shorter than the
+documents, at cp = 2 and 3, both layouts, every CPU exchange: logits, loss and
+parameter gradients equal each document run alone through the same transformers model.
+"""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from blockdiag_cp.testing import spawn  # noqa: E402
+
+LENGTHS = (7, 12, 5, 9, 3, 14)  # windows of 4 cut every document but the 3-token one
+VOCAB = 50
+#: name -> (config class, model class, config kwargs, dtype, reference attention, tolerance)
+ZOO = {
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=4), torch.float64, "sdpa", 1e-10),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
+              torch.float64, "sdpa", 1e-10),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(sliding_window=4, head_dim=8, attn_logit_softcapping=20.0,
+                                                         final_logit_softcapping=None),
+               torch.float64, "eager", 1e-6),  # eager: softmax in float32 (the only path with softcapping)
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(sliding_window=4, head_dim=8), torch.float64, "sdpa",
+               1e-8),  # Gemma's RMSNorm runs in float32 inside a float64 model: its weight gradients differ by 1e-9
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(sliding_window=4, head_dim=8, num_local_experts=4,
+                                                          num_experts_per_tok=2),
+                torch.float32, "eager", 2e-5),  # experts run in float32 only; eager is the path with sinks
+}
+EXCHANGES = ("auto", "a2a", "halo", "allgather", "ring")
+
+
+def make_model(name, attn):
+    config_cls, model_cls, extra, dtype, _, _ = ZOO[name]
+    config = getattr(transformers, config_cls)(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, attn_implementation=attn, **extra)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).to(dtype)
+    if name == "gpt_oss":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_()  # learned sinks start at 0: make them matter
+    return model
+
+
+def packed_row():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (1, sum(LENGTHS)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in LENGTHS]).unsqueeze(0)
+    return ids, pos
+
+
+def reference(name):
+    """Each document alone through the model's own attention: logits, mean loss, parameter gradients."""
+    model = make_model(name, ZOO[name][4])
+    ids, _ = packed_row()
+    logits, loss_sum, start = [], 0.0, 0
+    for n in LENGTHS:
+        out = model(input_ids=ids[:, start : start + n], use_cache=False).logits
+        logits.append(out.detach())
+        loss_sum = loss_sum + torch.nn.functional.cross_entropy(out[0, :-1].double(), ids[0, start + 1 : start + n],
+                                                                reduction="sum")
+        start += n
+    loss = loss_sum / sum(n - 1 for n in LENGTHS)
+    loss.backward()
+    return torch.cat(logits, 1), loss.item(), [p.grad.clone() for p in model.parameters()]
+
+
+def relative(got, want):
+    """Largest error over the tensor's scale (1 at least)."""
+    return float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
+
+
+def zoo_worker(rank, world, names):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import blockdiag_cp.hf  # noqa: F401
+    from blockdiag_cp import CPConfig, gather_sequence, make_cp_blockdiag_batch_and_ctx
+    from blockdiag_cp.loss import add_shift_labels
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"]
+    worst = {}
+    for name in names:
+        ref_logits, ref_loss, ref_grads = reference(name)
+        tol = ZOO[name][5]
+        for layout in ("contiguous", "balanced"):
+            for exchange in EXCHANGES:
+                model = make_model(name, "blockdiag_cp")
+                ids, pos = packed_row()
+                batch = add_shift_labels({"input_ids": ids, "position_ids": pos})
+                config = CPConfig(layout=layout, kv_exchange=exchange)
+                train_ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh, None, batch, config=config)
+                with train_ctx():
+                    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+                    loss = torch.nn.functional.cross_entropy(logits[0].double(), batch["shift_labels"][0],
+                                                             reduction="sum") / sum(n - 1 for n in LENGTHS)
+                    loss.backward()
+                    full = gather_sequence(logits.detach())
+                total = loss.detach().clone()
+                dist.all_reduce(total, group=mesh.get_group())
+                grads = [p.grad.clone() for p in model.parameters()]
+                for grad in grads:
+                    dist.all_reduce(grad, group=mesh.get_group())
+                errors = (relative(full, ref_logits), abs(float(total) - ref_loss) / max(1.0, abs(ref_loss)),
+                          max(relative(g, r) for g, r in zip(grads, ref_grads)))
+                worst[name, layout, exchange] = (max(errors), tol)
+    return worst
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_model_families_match_each_document_run_alone(world):
+    names = tuple(ZOO)
+    for worst in spawn(zoo_worker, world, names, timeout=600):
+        assert len(worst) == len(names) * 2 * len(EXCHANGES)
+        bad = {key: err for key, (err, tol) in worst.items() if not err <= tol}
+        assert not bad, bad
+
+
+def test_sliding_window_outside_a_step_on_a_packed_row():
+    import blockdiag_cp.hf  # noqa: F401
+
+    ids, pos = packed_row()
+    for name in ("mistral", "gemma2", "gpt_oss"):
+        ref_logits, _, _ = reference(name)
+        model = make_model(name, "blockdiag_cp")
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        scale = max(1.0, float(ref_logits.abs().max()))
+        assert float((logits - ref_logits).abs().max()) / scale <= ZOO[name][5], name
