@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import warnings
 import zlib
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -61,10 +62,10 @@ def cp_blockdiag_sdpa(
         ``[1, H, L, D]``, dtype of `query`. Padding rows are zeros.
     """
     state = STEP_SLOT.current()
-    features = (sliding_window, softcap, sinks)
+    features = LayerFeatures(sliding_window, softcap, sinks)
     if state is None:
         refuse_late_recompute(query, key, value)
-        if any(f is not None for f in features):
+        if features != LayerFeatures():
             raise ValueError(
                 "sliding_window, softcap and sinks work inside a block-diagonal CP step (or through "
                 "attn_implementation='blockdiag_cp'); outside one, cp_blockdiag_sdpa is stock SDPA, which has none"
@@ -74,15 +75,15 @@ def cp_blockdiag_sdpa(
             scale=scale, enable_gqa=enable_gqa,
         )
     query, key, value = autocast_inputs(query, key, value)
-    signature = call_signature(query, key, value, *features)
+    signature = call_signature(query, key, value, features)
     if STEP_SLOT.needs_agreement(signature):
-        problem = call_problem(state, query, key, value, enable_gqa) or features_problem(query, *features)
+        problem = call_problem(state, query, key, value, enable_gqa) or features.problem(query)
         _agree_on_call(state, signature, problem)
     step_id = STEP_SLOT.note_call(signature)
     if query.requires_grad or key.requires_grad or value.requires_grad:
         query, key, value = _MarkStepBackward.apply(step_id, query, key, value)
     return attend_in_step(state, query, key, value, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa,
-                          sliding_window=sliding_window, softcap=softcap, sinks=sinks)
+                          features=features)
 
 
 def attend_in_step(
@@ -94,9 +95,7 @@ def attend_in_step(
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None,
+    features: Optional["LayerFeatures"] = None,
 ) -> torch.Tensor:
     """Per-document causal attention of this rank's ``[1, H, L, D]`` shards under `state`.
 
@@ -105,17 +104,18 @@ def attend_in_step(
     contiguous, and a scale <= 0 is folded into the queries. A sliding window selects
     the routing and call tables of its layer kind (`StepState.exchange_for`).
     """
-    problem = call_problem(state, query, key, value, enable_gqa) or features_problem(query, sliding_window, softcap, sinks)
+    features = LayerFeatures() if features is None else features
+    problem = call_problem(state, query, key, value, enable_gqa) or features.problem(query)
     if problem is not None:
         raise problem
-    kernel = _kernel_for(state, query, float(dropout_p), softcap=softcap, sinks=sinks is not None)
-    exchange = state.exchange_for(sliding_window)
+    kernel = _kernel_for(state, query, float(dropout_p), features)
+    exchange = state.exchange_for(features.sliding_window)
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     if scale <= 0.0:  # softmax((s q) k^T) with scale 1: the fused CPU kernel mishandles s <= 0
         query, scale = query * scale, 1.0
     q, k, v = query.squeeze(0), key.squeeze(0), value.squeeze(0)
-    out_HLD = exchange.attend(q, k, v, kernel, scale, float(dropout_p), softcap=softcap, sinks=sinks)
+    out_HLD = exchange.attend(q, k, v, kernel, scale, float(dropout_p), softcap=features.softcap, sinks=features.sinks)
     return out_HLD.unsqueeze(0)
 
 
@@ -133,28 +133,48 @@ def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in tensors)
 
 
-def call_signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sliding_window=None, softcap=None,
-                   sinks=None) -> CallSignature:
+@dataclass(frozen=True)
+class LayerFeatures:
+    """What a layer asks beyond per-document causal attention (see `cp_blockdiag_sdpa`)."""
+
+    sliding_window: Optional[int] = None
+    softcap: Optional[float] = None
+    sinks: Optional[torch.Tensor] = field(default=None, compare=False)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LayerFeatures) and self.key() == other.key()
+
+    def __hash__(self) -> int:
+        return hash(self.key())
+
+    def key(self) -> tuple:
+        """The features as plain values (the sinks by shape): what ranks must agree on."""
+        sinks = None if self.sinks is None else tuple(self.sinks.shape)
+        return (self.sliding_window, self.softcap, sinks)
+
+    def problem(self, query: torch.Tensor) -> Optional[ValueError]:
+        """The `ValueError` these features deserve for `query` (None when they are valid)."""
+        window, softcap, sinks = self.sliding_window, self.softcap, self.sinks
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            return ValueError(f"sliding_window must be a positive int (keys (q - w, q]), got {window!r}")
+        if softcap is not None and (not isinstance(softcap, (int, float)) or not softcap > 0):
+            return ValueError(f"softcap must be a positive number, got {softcap!r}")
+        if sinks is not None:
+            if not isinstance(sinks, torch.Tensor) or sinks.shape != (query.shape[1],):
+                shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+                return ValueError(f"sinks must be one logit per query head, [{query.shape[1]}], got {shape}")
+            if sinks.device != query.device:
+                return ValueError(f"sinks are on {sinks.device}, the queries on {query.device}")
+        return None
+
+
+def call_signature(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, features: Optional[LayerFeatures] = None
+) -> CallSignature:
     """What every rank's call must share: the shapes and dtypes of q, k and v, and the layer's features."""
-    sinks_shape = None if not isinstance(sinks, torch.Tensor) else tuple(sinks.shape)
+    features = LayerFeatures() if features is None else features
     return (tuple(query.shape), tuple(key.shape), tuple(value.shape), query.dtype, key.dtype, value.dtype,
-            sliding_window, softcap, sinks_shape)
-
-
-def features_problem(query: torch.Tensor, sliding_window, softcap, sinks) -> Optional[ValueError]:
-    """The `ValueError` these layer features deserve (None when they are valid)."""
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                       or sliding_window < 1):
-        return ValueError(f"sliding_window must be a positive int (keys (q - w, q]), got {sliding_window!r}")
-    if softcap is not None and (not isinstance(softcap, (int, float)) or not softcap > 0):
-        return ValueError(f"softcap must be a positive number, got {softcap!r}")
-    if sinks is not None:
-        if not isinstance(sinks, torch.Tensor) or sinks.shape != (query.shape[1],):
-            shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-            return ValueError(f"sinks must be one logit per query head, [{query.shape[1]}], got {shape}")
-        if sinks.device != query.device:
-            return ValueError(f"sinks are on {sinks.device}, the queries on {query.device}")
-    return None
+            *features.key())
 
 
 def _agree_on_call(state: StepState, signature: CallSignature, problem: Optional[ValueError]) -> None:
@@ -234,7 +254,7 @@ def call_problem(state: StepState, query, key, value, enable_gqa: bool) -> Optio
     return None
 
 
-def _kernel_for(state: StepState, query: torch.Tensor, dropout_p: float, softcap=None, sinks: bool = False):
+def _kernel_for(state: StepState, query: torch.Tensor, dropout_p: float, features: LayerFeatures):
     """The first of the step's kernels that accepts this call (the same on every rank).
 
     An explicitly requested kernel has no fallbacks, so its refusal is raised as is.
@@ -246,7 +266,7 @@ def _kernel_for(state: StepState, query: torch.Tensor, dropout_p: float, softcap
         if dropout_p > 0.0 and not kernel.supports_dropout:
             refusals.append(f"kernel={kernel.name!r} has no attention dropout")
             continue
-        lacking = kernel.feature_problem(softcap=softcap, sinks=sinks)
+        lacking = kernel.feature_problem(softcap=features.softcap, sinks=features.sinks is not None)
         if lacking is not None:
             refusals.append(lacking)
             continue

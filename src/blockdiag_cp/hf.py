@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention import attend_in_step, autocast_inputs, cp_blockdiag_sdpa, refuse_late_recompute
+from .attention import LayerFeatures, attend_in_step, autocast_inputs, cp_blockdiag_sdpa, refuse_late_recompute
 from .config import CPConfig
 from .doc_ids import block_causal_mask, resolve_doc_ids
 from .slot import STEP_SLOT, current_step
@@ -35,10 +35,10 @@ from .state import StepState, build_step_state
 ATTN_IMPLEMENTATION = "blockdiag_cp"
 
 
-def layer_features(module: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+def layer_features(module: torch.nn.Module, kwargs: dict[str, Any]) -> LayerFeatures:
     """The layer's sliding window, logit softcap and attention sinks, as transformers hands them over."""
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-    return {"sliding_window": window, "softcap": kwargs.get("softcap"), "sinks": kwargs.get("s_aux")}
+    return LayerFeatures(window, kwargs.get("softcap"), kwargs.get("s_aux"))
 
 
 def _row_doc_ids(
@@ -114,16 +114,18 @@ def blockdiag_cp_attention(
                 "computes causal attention per document. Run non-causal modules before sharding, or give them "
                 "another attn_implementation."
             )
+        features = layer_features(module, kwargs)
         out = cp_blockdiag_sdpa(query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=True,
-                                **layer_features(module, kwargs))
+                                sliding_window=features.sliding_window, softcap=features.softcap, sinks=features.sinks)
         return out.transpose(1, 2).contiguous(), None
     refuse_late_recompute(query, key, value)
     features = layer_features(module, kwargs)
     causal = getattr(module, "is_causal", True)
-    local = _row_state(query, key, attention_mask, features["sliding_window"], kwargs) if causal else None
+    local = _row_state(query, key, attention_mask, features.sliding_window, kwargs) if causal else None
     if local is not None:
         query, key, value = autocast_inputs(query, key, value)
-        out = attend_in_step(local, query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=True, **features)
+        out = attend_in_step(local, query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=True,
+                             features=features)
         return out.transpose(1, 2).contiguous(), None
     _refuse_beyond_sdpa(module, kwargs)
     q_len, kv_len = query.shape[2], key.shape[2]
@@ -142,7 +144,7 @@ def _refuse_beyond_sdpa(module: torch.nn.Module, kwargs: dict[str, Any]) -> None
     sliding window included): softcap and sinks have no SDPA form, so refuse them there."""
     features = layer_features(module, kwargs)
     for name in ("softcap", "sinks"):
-        if features[name] is not None:
+        if getattr(features, name) is not None:
             raise ValueError(
                 f"blockdiag_cp attention runs {name!r} for packed rows and inside CP steps; this batch is neither "
                 "(padded rows outside a step run stock SDPA, which has no such input). Pack the rows "
