@@ -7,9 +7,9 @@ a frozen `StepState`. ``train_ctx()`` activates that state so every
 
 from __future__ import annotations
 
-import functools
 import warnings
 import zlib
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, ContextManager, Mapping, Optional
 
@@ -108,7 +108,17 @@ def make_cp_blockdiag_batch_and_ctx(
         raise problem
     _warn_unsharded(batch, S, seq_dims)
     state = shard_step(batch, doc_ids_1S, world, rank, group, config, padding_token_id, seq_dims)
-    return functools.partial(STEP_SLOT.activate, state), batch
+    return TrainCtx(state), batch
+
+
+@dataclass(frozen=True)
+class TrainCtx:
+    """``train_ctx()``: the context manager that makes this step the active one; ``.state`` is the step."""
+
+    state: StepState
+
+    def __call__(self) -> ContextManager[StepState]:
+        return STEP_SLOT.activate(self.state)
 
 
 def shard_step(

@@ -31,6 +31,8 @@ from .config import CPConfig
 from .doc_ids import block_causal_mask, resolve_doc_ids
 from .slot import STEP_SLOT, current_step
 from .state import StepState, build_step_state
+from .vlm import make_cp_vlm_batch_and_ctx  # noqa: F401  (the VLM entry, public here)
+from .vlm import model_inputs as vlm_model_inputs  # noqa: F401
 
 ATTN_IMPLEMENTATION = "blockdiag_cp"
 

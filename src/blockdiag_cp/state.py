@@ -35,12 +35,21 @@ class CallNotes:
     def __init__(self) -> None:
         self._fallbacks: dict[str, str] = {}
         self._kinds: dict[int, tuple[str, str]] = {}
+        self._vision: dict[str, list] = {}
 
     def record_fallback(self, kernel: str, reason: str) -> None:
         self._fallbacks.setdefault(reason, kernel)
 
     def record_kind(self, window: int, exchange: str, reason: str) -> None:
         self._kinds[window] = (exchange, reason)
+
+    def record_vision(self, patches: list[int], flops: list[float]) -> None:
+        self._vision = {"patches_per_rank": list(patches), "flops_per_rank": list(flops)}
+
+    @property
+    def vision(self) -> dict[str, list]:
+        """The vision work of the step per CP rank (patches, estimated FLOPs), when a VLM row was split."""
+        return dict(self._vision)
 
     @property
     def window_exchanges(self) -> dict[int, tuple[str, str]]:
