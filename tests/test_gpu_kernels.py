@@ -90,9 +90,9 @@ def tensors(items, H=4, Hk=2, D=8):
     return q, k, v
 
 
-def dense_reference(items, q, k, v):
+def dense_reference(items, q, k, v, softcap=None):
     dense = DenseKernel()
-    return dense.attend(dense.prepare(items, CPU), q, k, v, 0.35, 0.0)
+    return dense.attend(dense.prepare(items, CPU), q, k, v, 0.35, 0.0, softcap)
 
 
 SCENARIOS = {
@@ -189,19 +189,43 @@ def test_ring_refuses_kernels_without_log_sum_exp(fake_flash):
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_flex_forward_on_cpu_matches_dense(name):
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_flex_forward_on_cpu_matches_dense(name, softcap):
     segments, (world, rank) = SCENARIOS[name]
     items, _ = rank_items(segments, world, rank)
     kernel = FlexKernel()
     plan = kernel.prepare(items, CPU)
-    q, k, v = (t.detach().float() for t in tensors(items))
+    q, k, v = (t.detach().float() * 3 for t in tensors(items))  # scores large enough for the cap to bite
     with torch.no_grad():
-        out = kernel.attend(plan, q, k, v, 0.35, 0.0)
-        ref = dense_reference(items, q, k, v)
+        out = kernel.attend(plan, q, k, v, 0.35, 0.0, softcap)
+        ref = dense_reference(items, q, k, v, softcap)
+        uncapped = dense_reference(items, q, k, v)
     assert (out - ref).abs().max() < 1e-5
+    if softcap is not None:
+        assert (uncapped - ref).abs().max() > 1e-2  # the cap changes the result: the test can see it dropped
+
+
+def test_flex_refuses_float64():
+    with pytest.raises(ValueError, match="not torch.float64"):
+        FlexKernel().check(torch.zeros(2, 3, 4, dtype=torch.float64), 0.0)
 
 
 def test_flex_refuses_training_on_cpu():
     q = torch.zeros(2, 3, 4, requires_grad=True)
     with pytest.raises(ValueError, match="no FlexAttention backward"):
         FlexKernel().check(q, 0.0)
+
+
+@pytest.mark.parametrize("installed, need_lse, expected", [
+    ({"triton"}, False, "flex"),  # 0.97-1.01x the per-document flash limit on an H200; sdpa 2.4-2.5x
+    ({"triton"}, True, "sdpa"),  # the ring merges by log-sum-exp, which flex does not return
+    (set(), False, "sdpa"),
+])
+def test_auto_kernel_on_cuda_follows_what_is_installed(monkeypatch, installed, need_lse, expected):
+    import blockdiag_cp.kernels as kernels
+
+    monkeypatch.setattr(kernels, "_installed", lambda module: module in installed)
+    kernel, reason = kernels.select_kernel("auto", torch.device("cuda"), need_lse=need_lse)
+    assert kernel.name == expected and reason.startswith("auto")
+    chain = [k.name for k in kernels.fallback_kernels("auto", kernel, torch.device("cuda"))]
+    assert chain == (["dense"] if expected == "sdpa" else ["sdpa", "dense"])

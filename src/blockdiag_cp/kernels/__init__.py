@@ -47,6 +47,8 @@ def select_kernel(requested: str, device: torch.device, need_lse: bool = False) 
             return FlashKernel(), "auto: flash-attn varlen is installed (fp16/bf16; sdpa otherwise)"
         if _installed("transformer_engine"):
             return TEKernel(), "auto: TransformerEngine THD is installed (fp16/bf16; sdpa otherwise)"
+        if _installed("triton"):
+            return FlexKernel(device), "auto: FlexAttention compiled with Triton over the step's block mask"
         return SdpaKernel(device), "auto: PyTorch fused attention per document piece"
     if device.type == "cpu" and cpu_fused_ops() is not None:
         return SdpaKernel(device), "auto: CPU fused attention per document piece (no mask)"

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The whole device check in one call (about 6 minutes on one H200): the CUDA tests, then
+# benchmarks/gpu_check.py. Run from the repository root; logs go to $OUT (or ./gpu_out).
+# The project runs from src/ on PYTHONPATH: nothing is installed.
+set -u
+out=${OUT:-gpu_out}; mkdir -p "$out"
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/machine.txt"
+python3 - <<'PY' 2>&1 | tee -a "$out/machine.txt"
+import importlib.util, inspect, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda)
+for name in ("transformers", "flash_attn", "transformer_engine", "triton"):
+    spec = importlib.util.find_spec(name)
+    print(name, getattr(__import__(name), "__version__", "?") if spec else "not installed")
+try:
+    from torch.nn.attention.varlen import varlen_attn
+    print("torch varlen_attn", inspect.signature(varlen_attn))
+except ImportError as exc:
+    print("torch varlen_attn: none", exc)
+PY
+timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" --timeout 90 \
+    tests/test_gpu.py 2>&1 | tee "$out/test_gpu.log"
+timeout "${CHECK_TIMEOUT:-300}" python3 benchmarks/gpu_check.py 2>&1 | tee "$out/gpu_check.md"
