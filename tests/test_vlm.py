@@ -218,3 +218,27 @@ def test_placeholder_and_grid_mismatches_are_clear_errors():
     with pytest.raises(ValueError, match="not a supported vision-language model"):
         make_cp_vlm_batch_and_ctx(None, transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)), batch)
+
+
+def test_vlm_example_under_torchrun_equals_the_single_process_run():
+    """examples/train_vlm.py at dp 2 x cp 2: the logged losses are the single-process run's."""
+    import importlib.util
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("train_vlm", root / "examples" / "train_vlm.py")
+    train_vlm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_vlm)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           str(root / "examples" / "train_vlm.py"), "--dp", "2", "--cp", "2", "--steps", "2"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=root)
+    assert result.returncode == 0, result.stdout + result.stderr
+    logged = [float(x) for x in re.findall(r"step \d+/\d+  loss ([0-9.]+)", result.stdout)]
+    reference = train_vlm.single_process_losses("qwen2_5_vl", dp=2, steps=2, per_row=6)
+    assert len(logged) == 2
+    assert all(abs(a - b) <= 2e-4 * abs(b) for a, b in zip(logged, reference)), (logged, reference)
+    patches = re.findall(r"vision patches per cp rank \[([0-9, ]+)\]", result.stdout)
+    assert patches and all(len(p.split(",")) == 2 for p in patches)

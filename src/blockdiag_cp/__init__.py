@@ -48,7 +48,7 @@ from .layout import ShardPlan, plan_shards
 from .slot import current_step
 from .state import StepState
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = (
     "CPConfig",

@@ -13,7 +13,7 @@ Note [One vision tower pass per CP group]
 -----------------------------------------
 Every rank of a CP group holds the same row. Instead of each encoding every image
 (the vision work repeated ``cp`` times), the row's images and videos are cut into
-``cp`` contiguous groups of about equal patch count; rank ``r`` runs the vision tower
+``cp`` groups of about equal patch count; rank ``r`` runs the vision tower
 (outside the step: it is not causal) on group ``r`` only. The features travel by one
 differentiable all-gather (padded to the largest group), every rank scatters them
 into its copy of the row's embeddings, and the step shards that row. Backward: the
@@ -87,10 +87,10 @@ class VisionInput:
 
 @dataclass(frozen=True)
 class RowFeatures:
-    """One modality's features for the whole row, in placeholder order (differentiable).
+    """One modality's features for the whole row, rank group by rank group (differentiable).
 
     Attributes:
-        positions: ``[T]`` row positions of the modality's placeholders.
+        positions: ``[T]`` the row position of each feature row's placeholder.
         main: ``[T, E]`` the features that replace the placeholder embeddings.
         deepstack: ``K x [T, E]`` features added after the first ``K`` decoder layers (Qwen3-VL).
     """
@@ -277,15 +277,15 @@ def _whole_frames(run: torch.Tensor, tokens: int, frame: int, doc_ids_S: torch.T
 
 
 def split_by_patches(items: list[VisionInput], world: int) -> list[list[VisionInput]]:
-    """Contiguous groups of `items`, one per rank, of about equal patch count (earlier ranks first)."""
-    total = sum(item.patches for item in items)
-    groups: list[list[VisionInput]] = [[] for _ in range(world)]
-    done = 0
-    for item in items:
-        rank = min(world - 1, (2 * done + item.patches) * world // (2 * total)) if total else 0
-        groups[rank].append(item)
-        done += item.patches
-    return groups
+    """`items` in `world` groups of about equal patch count (largest first onto the least-loaded
+    rank; ties to the lower rank), each group in row order. Same on every rank."""
+    groups: list[list[int]] = [[] for _ in range(world)]
+    load = [0] * world
+    for index in sorted(range(len(items)), key=lambda i: (-items[i].patches, i)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        groups[rank].append(index)
+        load[rank] += items[index].patches
+    return [[items[i] for i in sorted(group)] for group in groups]
 
 
 def encode_row(core, batch, inputs, world: int, rank: int, group):
@@ -310,7 +310,7 @@ def encode_row(core, batch, inputs, world: int, rank: int, group):
             mine.requires_grad_()  # a rank with nothing to encode still joins the backward all-gather
         rows = _gather_features(mine, [sum(i.token_positions.numel() for i in g) for g in groups], group)
         main, *deepstack = rows.split(width, dim=-1)
-        positions = torch.cat([i.token_positions for i in items])
+        positions = torch.cat([i.token_positions for group in groups for i in group])  # the rows' order
         features[modality.name] = RowFeatures(positions, main, tuple(deepstack))
     return features, (patches, flops)
 
@@ -328,7 +328,8 @@ def _encode(core, modality: Modality, pixels: torch.Tensor, owned: list[VisionIn
 
 
 def _gather_features(mine: torch.Tensor, counts: list[int], group) -> torch.Tensor:
-    """Every rank's features in input order (differentiable; padded to the largest group for the all-gather)."""
+    """``[sum(counts), X]``: every rank's features, rank by rank (differentiable; padded to the
+    largest group for the all-gather)."""
     if group is None:
         return mine
     longest = max(counts)
