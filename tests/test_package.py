@@ -7,8 +7,9 @@ import pathlib
 import torch
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "src" / "blockdiag_cp"
-#: module-level names allowed to hold a mutable object (Note [Why a process-wide slot])
-MUTABLE_ALLOWED = {"slot": {"STEP_SLOT"}}
+#: module-level names allowed to hold a mutable object (Note [Why a process-wide slot];
+#: Note [Sub-groups made once]: process groups live as long as the process)
+MUTABLE_ALLOWED = {"slot": {"STEP_SLOT"}, "groups": {"SUBGROUPS"}}
 #: calls whose result is immutable (or a logger) at module level
 IMMUTABLE_CALLS = {"MappingProxyType", "frozenset", "tuple", "getLogger", "TypeVar", "getattr"}
 

@@ -251,7 +251,7 @@ def call_problem(state: StepState, query, key, value, enable_gqa: bool) -> Optio
         return ValueError(f"query has {H} heads and key/value {Hk}: pass enable_gqa=True for grouped-query attention")
     if not (query.dtype == key.dtype == value.dtype):
         return ValueError(f"query, key and value dtypes differ: {query.dtype}, {key.dtype}, {value.dtype}")
-    return None
+    return None if state.heads is None else state.heads.split.problem(H)
 
 
 def _kernel_for(state: StepState, query: torch.Tensor, dropout_p: float, features: LayerFeatures):

@@ -17,8 +17,10 @@ import torch
 import torch.distributed as dist
 
 from .config import CPConfig
+from .cost import choose_ulysses_degree
 from .doc_ids import resolve_doc_ids
 from .errors import CPTypeError
+from .groups import HeadGroups, head_groups
 from .agree import agree_across_ranks
 from .layout import ShardPlan
 from .rows import ROW_METADATA
@@ -99,7 +101,7 @@ def make_cp_blockdiag_batch_and_ctx(
         seq_dims = _check_seq_dims(seq_dims)
         _, S, device = _check_batch(batch, seq_dims)
         doc_ids_1S = resolve_doc_ids(batch, S, device, 1)
-        problem = None
+        problem = config.ulysses_problem(world)
     except ValueError as exc:
         doc_ids_1S, problem = None, exc
     if group is not None and config.check_ranks_agree:
@@ -107,8 +109,18 @@ def make_cp_blockdiag_batch_and_ctx(
     if problem is not None:
         raise problem
     _warn_unsharded(batch, S, seq_dims)
-    state = shard_step(batch, doc_ids_1S, world, rank, group, config, padding_token_id, seq_dims)
+    heads = step_head_groups(doc_ids_1S[0], world, rank, group, config)
+    state = shard_step(batch, doc_ids_1S, world, rank, group, config, padding_token_id, seq_dims, heads)
     return TrainCtx(state), batch
+
+
+def step_head_groups(doc_ids_S: torch.Tensor, world: int, rank: int, group: Any, config: CPConfig) -> HeadGroups:
+    """This rank's head-parallel groups for the step: ``config.ulysses_degree``, or under ``"auto"``
+    the degree of the fewest bytes per rank (`cost.choose_ulysses_degree`), its groups made once."""
+    if config.ulysses_degree != "auto":
+        return head_groups(group, world, rank, config.ulysses_degree)
+    choice = choose_ulysses_degree(doc_ids_S, world, config)
+    return head_groups(group, world, rank, choice.degree, choice.reason)
 
 
 @dataclass(frozen=True)
@@ -123,7 +135,7 @@ class TrainCtx:
 
 def shard_step(
     batch: dict[str, Any], doc_ids_1S: torch.Tensor, world: int, rank: int, group: Any, config: CPConfig,
-    padding_token_id: int = 0, seq_dims: Optional[Mapping[str, int]] = None,
+    padding_token_id: int = 0, seq_dims: Optional[Mapping[str, int]] = None, heads: Optional[HeadGroups] = None,
 ) -> StepState:
     """Plan the step and shard `batch` in place for `rank` of `world` (no collective).
 
@@ -138,7 +150,7 @@ def shard_step(
     if batch.get("position_ids") is None:
         batch["position_ids"] = torch.arange(S, device=doc_ids_1S.device).unsqueeze(0)
     batch["padding_mask"] = doc_ids_1S == 0
-    state = build_step_state(doc_ids_1S[0], world, rank, group, config, doc_ids_1S.device)
+    state = build_step_state(doc_ids_1S[0], world, rank, group, config, doc_ids_1S.device, heads)
     _shard_batch(batch, state.plan, rank, padding_token_id, seq_dims or {})
     return state
 

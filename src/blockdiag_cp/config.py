@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from .errors import CPTypeError
 
@@ -44,6 +44,14 @@ class CPConfig:
             through this sliding window (a windowed document's work is linear in its
             length); None (default) balances full causal attention, right for any
             model with a global layer.
+        ulysses_degree: head-parallel CP (Note [Head-parallel groups] in
+            ``exchange/ulysses.py``): the CP group of ``cp`` ranks splits into ``cp / u``
+            groups of ``u`` consecutive ranks; inside a group an all-to-all swaps sequence
+            shards for head shards, across groups `kv_exchange` moves the K/V the group's
+            documents need. 1 (default): no head parallelism; ``cp``: pure Ulysses;
+            ``"auto"``: the degree with the fewest bytes per rank (needs `attention_heads`).
+        attention_heads: ``(query heads, K/V heads)`` of the model's attention, for the
+            byte model of ``ulysses_degree="auto"``.
     """
 
     kv_exchange: str = "auto"
@@ -51,6 +59,8 @@ class CPConfig:
     layout: str = "contiguous"
     check_ranks_agree: bool = True
     balance_window: Optional[int] = None
+    ulysses_degree: Union[int, str] = 1
+    attention_heads: Optional[tuple[int, int]] = None
 
     def __post_init__(self) -> None:
         check_choice("kv_exchange", self.kv_exchange, KV_EXCHANGES)
@@ -63,3 +73,29 @@ class CPConfig:
             raise CPTypeError(f"balance_window must be an int or None, got {type(window).__name__}")
         if window is not None and window < 1:
             raise ValueError(f"balance_window must be >= 1, got {window}")
+        _check_ulysses(self.ulysses_degree, self.attention_heads)
+
+    def ulysses_problem(self, world: int) -> Optional[ValueError]:
+        """Why `ulysses_degree` cannot split a CP group of `world` ranks (None if it can)."""
+        u = self.ulysses_degree
+        if isinstance(u, int) and world % u:
+            return ValueError(f"ulysses_degree={u} must divide the CP group size {world} "
+                              f"(groups of {u} consecutive ranks)")
+        return None
+
+
+def _check_ulysses(degree: object, heads: object) -> None:
+    if degree == "auto":
+        if heads is None:
+            raise ValueError("ulysses_degree='auto' needs attention_heads=(query heads, K/V heads) for its byte model")
+    elif isinstance(degree, bool) or not isinstance(degree, int):
+        raise CPTypeError(f"ulysses_degree must be an int >= 1 or 'auto', got {type(degree).__name__}")
+    elif degree < 1:
+        raise ValueError(f"ulysses_degree must be >= 1, got {degree}")
+    if heads is None:
+        return
+    if (not isinstance(heads, tuple) or len(heads) != 2
+            or not all(isinstance(h, int) and not isinstance(h, bool) for h in heads)):
+        raise CPTypeError(f"attention_heads must be a tuple (query heads, K/V heads) of ints, got {heads!r}")
+    if heads[1] < 1 or heads[0] % heads[1]:
+        raise ValueError(f"attention_heads={heads}: K/V heads must be >= 1 and divide the query heads")

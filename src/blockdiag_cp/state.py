@@ -17,9 +17,11 @@ import torch.distributed as dist
 
 from .config import CPConfig
 from .exchange import ExchangeSetup, KVExchange, Traffic, build_exchange
+from .exchange.ulysses import HeadSplit, UlyssesExchange
 from .geometry import StepGeometry
+from .groups import HeadGroups
 from .kernels import AttentionKernel, fallback_kernels, select_kernel
-from .layout import ShardPlan, attention_work, make_plan
+from .layout import ShardPlan, attention_work, make_plan, merge_consecutive_ranks
 from .slot import STEP_SLOT, current_step  # noqa: F401  (re-exported: their old home)
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,38 @@ class CallNotes:
 
 
 @dataclass(frozen=True)
+class HeadParallel:
+    """A step's head-parallel view (Note [Head-parallel groups]): the plan of the head-parallel
+    groups (``W / u`` ranks of ``u L`` positions), this rank's groups and its head split."""
+
+    groups: HeadGroups
+    geometry: StepGeometry
+    split: HeadSplit
+
+    @staticmethod
+    def build(plan: ShardPlan, doc_ids_S: torch.Tensor, groups: HeadGroups, device: torch.device) -> "HeadParallel":
+        group_plan, order_GL = merge_consecutive_ranks(plan, groups.degree)
+        split = HeadSplit.build(groups.degree, groups.member, groups.heads_group, order_GL[groups.index], device)
+        return HeadParallel(groups, StepGeometry.build(group_plan, doc_ids_S), split)
+
+
+def route_exchange(
+    requested: str, geometry: StepGeometry, rank: int, group: Any, kernels: tuple[AttentionKernel, ...],
+    device: torch.device, window: Optional[int], heads: Optional[HeadParallel],
+) -> tuple[KVExchange, str]:
+    """The step's exchange for layers with `window`: `requested` over the CP group, or, with
+    head parallelism, over the cross group on the groups' plan, inside the head all-to-alls."""
+    if heads is None:
+        return build_exchange(requested, ExchangeSetup(geometry, rank, group, kernels, device, window))
+    groups = heads.groups
+    setup = ExchangeSetup(heads.geometry, groups.index, groups.cross_group, kernels, device, window)
+    inner, reason = build_exchange(requested, setup)
+    return UlyssesExchange(inner, heads.split), (
+        f"ulysses_degree={groups.degree} ({groups.reason}): head all-to-all in groups of {groups.degree} "
+        f"ranks; between the {heads.geometry.world} groups: {reason}")
+
+
+@dataclass(frozen=True)
 class StepState:
     """Everything one CP step needs, computed once (never per layer).
 
@@ -76,6 +110,7 @@ class StepState:
         fallback_kernels: with ``kernel="auto"``, kernels tried in order when `kernel`
             refuses a call (attention dropout, a dtype it lacks); empty otherwise.
         call_notes: the fallbacks that calls actually took, with their reasons.
+        heads: the head-parallel view under ``ulysses_degree > 1`` (None otherwise).
 
     `exchange` serves full-causal layers; a layer kind with a sliding window gets its
     own routing and call tables from `exchange_for` (built on its first call in the
@@ -93,6 +128,7 @@ class StepState:
     kernel: AttentionKernel
     kernel_reason: str
     fallback_kernels: tuple[AttentionKernel, ...]
+    heads: Optional[HeadParallel] = None
     call_notes: CallNotes = field(default_factory=CallNotes, compare=False, repr=False)
     _kinds: dict = field(default_factory=dict, compare=False, repr=False)
     _kinds_lock: Any = field(default_factory=threading.Lock, compare=False, repr=False)
@@ -108,9 +144,9 @@ class StepState:
             return self.exchange
         with self._kinds_lock:
             if window not in self._kinds:
-                setup = ExchangeSetup(self.geometry, self.rank, self.group, (self.kernel, *self.fallback_kernels),
-                                      self.device, window)
-                exchange, reason = build_exchange(self.config.kv_exchange, setup)
+                exchange, reason = route_exchange(
+                    self.config.kv_exchange, self.geometry, self.rank, self.group,
+                    (self.kernel, *self.fallback_kernels), self.device, window, self.heads)
                 self.call_notes.record_kind(window, exchange.name, reason)
                 self._kinds[window] = exchange
             return self._kinds[window]
@@ -140,26 +176,35 @@ class StepState:
 
 
 def build_step_state(
-    doc_ids_S: torch.Tensor, world: int, rank: int, group: Any, config: CPConfig, device: torch.device
+    doc_ids_S: torch.Tensor, world: int, rank: int, group: Any, config: CPConfig, device: torch.device,
+    heads: Optional[HeadGroups] = None,
 ) -> StepState:
     """Plan a step from replicated, validated document ids ``[S]``: layout, exchange, kernel.
 
     Every input is identical on all ranks of the group (the ranks-agree check runs
     before this), so every rank reaches the same state without communicating.
+    `heads`: this rank's head-parallel groups (`groups.head_groups`); None plans
+    ``config.ulysses_degree`` (an int) without process groups, as tools do.
     """
     plan = make_plan(doc_ids_S.cpu(), world, config.layout, config.balance_window)
     geometry = StepGeometry.build(plan, doc_ids_S)
+    if heads is None and isinstance(config.ulysses_degree, int) and config.ulysses_degree > 1:
+        heads = HeadGroups.place(rank, config.ulysses_degree)
+    head_parallel = HeadParallel.build(plan, doc_ids_S, heads, device) if heads and heads.degree > 1 else None
     kernel, kernel_reason = select_kernel(config.kernel, device, need_lse=config.kv_exchange == "ring")
     fallbacks = fallback_kernels(config.kernel, kernel, device)
-    setup = ExchangeSetup(geometry, rank, group, (kernel, *fallbacks), device)
-    exchange, exchange_reason = build_exchange(config.kv_exchange, setup)
-    if group is not None and exchange.uses_p2p and not config.check_ranks_agree and dist.get_backend(group) == "nccl":
+    exchange, exchange_reason = route_exchange(config.kv_exchange, geometry, rank, group, (kernel, *fallbacks),
+                                               device, None, head_parallel)
+    p2p_group = group if head_parallel is None else head_parallel.groups.cross_group
+    if p2p_group is not None and exchange.uses_p2p and dist.get_backend(p2p_group) == "nccl" and (
+            head_parallel is not None or not config.check_ranks_agree):
         # NCCL: point-to-point must not be the first operation on a communicator
-        dist.all_reduce(torch.zeros(1, device=device), group=group)
+        dist.all_reduce(torch.zeros(1, device=device), group=p2p_group)
     logger.debug(
         "blockdiag-cp step: rank %d/%d layout=%s exchange=%s (%s) kernel=%s (%s)",
         rank, world, plan.layout, exchange.name, exchange_reason, kernel.name, kernel_reason,
     )
     return StepState(
-        config, rank, world, group, device, geometry, exchange, exchange_reason, kernel, kernel_reason, fallbacks
+        config, rank, world, group, device, geometry, exchange, exchange_reason, kernel, kernel_reason, fallbacks,
+        head_parallel,
     )

@@ -86,6 +86,7 @@ class ParityCase:
     window: Optional[int] = None  # sliding window (keys (q - w, q])
     softcap: Optional[float] = None
     sinks: bool = False  # one learned logit per head (its gradient is checked too)
+    ulysses_degree: Any = 1  # head-parallel degree (int or "auto")
 
     @property
     def doc_ids(self) -> torch.Tensor:
@@ -162,7 +163,8 @@ def run_parity_case(case: ParityCase, cp_mesh) -> ParityResult:
     x, grad, sinks = _case_tensors(case)
     x.requires_grad_(True)
     sinks = None if sinks is None else sinks.requires_grad_(True)
-    config = CPConfig(kv_exchange=case.kv_exchange, kernel=case.kernel, layout=case.layout)
+    config = CPConfig(kv_exchange=case.kv_exchange, kernel=case.kernel, layout=case.layout,
+                      ulysses_degree=case.ulysses_degree, attention_heads=(case.heads, case.kv_heads))
     batch = {"inputs_embeds": x, "_packed_seq_ids": case.doc_ids.unsqueeze(0).to(x.device)}
     train_ctx, batch = make_cp_blockdiag_batch_and_ctx(cp_mesh, None, batch, config=config)
     with train_ctx() as state:

@@ -71,3 +71,25 @@ def p2p_rows(x_TX: torch.Tensor, send_splits: list[int], recv_splits: list[int],
         for req in dist.batch_isend_irecv(ops):
             req.wait()
     return out
+
+
+class AllToAllChunks(torch.autograd.Function):
+    """``x [W, ...]``: chunk ``j`` goes to rank ``j``; the result's chunk ``m`` came from rank ``m``.
+
+    Equal chunks, so the operation is its own adjoint: backward runs it on the gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x_WX: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return all_to_all_chunks(x_WX, group)
+
+    @staticmethod
+    def backward(ctx, grad_WX: torch.Tensor):
+        return all_to_all_chunks(grad_WX, ctx.group), None
+
+
+def all_to_all_chunks(x_WX: torch.Tensor, group) -> torch.Tensor:
+    out = torch.empty_like(x_WX, memory_format=torch.contiguous_format)
+    dist.all_to_all_single(out, x_WX.contiguous(), group=group)
+    return out

@@ -21,7 +21,7 @@ from ..doc_ids import validate_doc_ids
 from ..errors import CPTypeError
 from .balanced import plan_balanced
 from .contiguous import plan_contiguous
-from .plan import ShardPlan, attention_work, pad_doc_ids, query_work
+from .plan import ShardPlan, attention_work, merge_consecutive_ranks, pad_doc_ids, query_work
 
 PLANNERS: Mapping[str, Callable[[torch.Tensor, int, Optional[int]], ShardPlan]] = MappingProxyType(
     {"contiguous": plan_contiguous, "balanced": plan_balanced}
@@ -74,6 +74,7 @@ __all__ = (
     "ShardPlan",
     "attention_work",
     "make_plan",
+    "merge_consecutive_ranks",
     "pad_doc_ids",
     "plan_balanced",
     "plan_contiguous",

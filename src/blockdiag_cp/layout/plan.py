@@ -86,3 +86,14 @@ def attention_work(plan: ShardPlan, doc_ids_S: torch.Tensor, window: Optional[in
     """``[W]`` int64: causal attention work (query-key pairs) per rank under `plan` (and `window`)."""
     work_S = query_work(pad_doc_ids(doc_ids_S.cpu(), plan.padded_len), window)
     return work_S[plan.positions_WL].sum(dim=1)
+
+
+def merge_consecutive_ranks(plan: ShardPlan, degree: int) -> tuple[ShardPlan, torch.Tensor]:
+    """The plan of ``W / degree`` groups of `degree` consecutive ranks, each group owning its
+    members' positions (ascending), and ``order [G, degree * L]``: for each sorted row of a
+    group, its row in the members' concatenation (member after member, each in local order).
+    """
+    W, L = plan.positions_WL.shape
+    member_major = plan.positions_WL.reshape(W // degree, degree * L)
+    positions, order = member_major.sort(dim=1)
+    return ShardPlan(plan.layout, plan.seq_len, plan.padded_len, positions), order

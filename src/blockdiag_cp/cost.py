@@ -1,0 +1,153 @@
+"""What a step costs each rank under each CP scheme, from the plan alone (no tensors of size S x S).
+
+Note [Scheme costs]
+-------------------
+For a row, a layout and ``W`` ranks, `scheme_cost` gives per rank and per attention
+layer (forward + backward) the bytes it sends and its attention work, for a
+head-parallel degree ``u`` (1: the needed-only / all-gather / ring exchange alone;
+``W``: pure Ulysses; between: hybrid, Note [Head-parallel groups]):
+
+- head all-to-alls (``u > 1``): ``2 (u - 1) L D (2 H/u + 2 Hk'/u)`` elements, whatever the
+  documents (`exchange.ulysses.ulysses_elements`, forward and backward alike);
+- K/V between groups, on the plan of the ``W / u`` groups: for the needed-only
+  exchanges (``auto``, ``a2a``, ``halo``) the rows the group owns that others need
+  (forward) plus the gradients of the rows it received (backward), ``2 Hk'/u D``
+  elements a row; ``allgather`` and ``ring`` move ``(G - 1) u L`` rows each way
+  (an upper bound for the ring, which stops early when nothing further is needed);
+- work: the query-key pairs of the rank's queries times its heads (``H`` at ``u = 1``;
+  the group's pairs times ``H / u`` otherwise: a group's members split its work evenly).
+
+Bytes are what one rank writes (what `/proc/self/io` ``wchar`` meters on gloo), split
+into intra- and inter-node links by ``gpus_per_node`` (ranks ``r // gpus_per_node``
+share a node). `choose_ulysses_degree` takes the degree with the fewest bytes on the
+busiest rank (ties: the least work on the busiest rank, then the smaller degree).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .config import CPConfig
+from .geometry import StepGeometry
+from .layout import ShardPlan, attention_work, make_plan, merge_consecutive_ranks
+
+NEEDED_ONLY = ("auto", "a2a", "halo")
+
+
+@dataclass(frozen=True)
+class SchemeCost:
+    """One scheme's per-rank cost for one attention layer, forward + backward (Note [Scheme costs]).
+
+    ``[W]`` float64 tensors: bytes sent on intra- and inter-node links by the head
+    all-to-alls (`ulysses_*`) and by the K/V exchange (`kv_*`); `work` in query-key
+    pairs x heads.
+    """
+
+    degree: int
+    exchange: str
+    ulysses_intra: torch.Tensor
+    ulysses_inter: torch.Tensor
+    kv_intra: torch.Tensor
+    kv_inter: torch.Tensor
+    work: torch.Tensor
+
+    @property
+    def sent(self) -> torch.Tensor:
+        return self.ulysses_intra + self.ulysses_inter + self.kv_intra + self.kv_inter
+
+    @property
+    def max_sent(self) -> float:
+        return float(self.sent.max())
+
+    def seconds(self, intra_gbps: float, inter_gbps: float, head_dim: int, tflops: float) -> torch.Tensor:
+        """``[W]`` predicted seconds per layer: links at their bandwidths (GB/s), then the attention
+        at `tflops` (3.5 x 4 x pairs x heads x head_dim FLOPs, forward + backward); no overlap assumed."""
+        link = (self.ulysses_intra + self.kv_intra) / (intra_gbps * 1e9) + (self.ulysses_inter + self.kv_inter) / (
+            inter_gbps * 1e9)
+        return link + 14.0 * self.work * head_dim / (tflops * 1e12)
+
+
+@dataclass(frozen=True)
+class DegreeChoice:
+    degree: int
+    reason: str
+    costs: tuple[SchemeCost, ...]
+
+
+def candidate_degrees(world: int, heads: int) -> list[int]:
+    """Degrees that divide both the CP group and the query heads."""
+    return [u for u in range(1, world + 1) if world % u == 0 and heads % u == 0]
+
+
+def scheme_cost(
+    plan: ShardPlan, doc_ids_S: torch.Tensor, degree: int, heads: tuple[int, int], head_dim: int = 1,
+    element_size: int = 1, exchange: str = "auto", gpus_per_node: Optional[int] = None,
+) -> SchemeCost:
+    """Per-rank bytes and work of `plan` under head-parallel `degree` (Note [Scheme costs])."""
+    H, Hk = heads
+    W, L = plan.world, plan.local_len
+    node = torch.arange(W) // (gpus_per_node or W)
+    kv_heads = Hk * (degree // math.gcd(Hk, degree)) // degree  # K/V heads per rank after the split
+    row_bytes = 2 * kv_heads * head_dim * element_size
+    group_plan = plan if degree == 1 else merge_consecutive_ranks(plan, degree)[0]
+    geometry = StepGeometry.build(group_plan, doc_ids_S)
+    kv_intra, kv_inter = torch.zeros(W, dtype=torch.float64), torch.zeros(W, dtype=torch.float64)
+    for rank in range(W):
+        g, member = divmod(rank, degree)
+        peers = [h * degree + member for h in range(geometry.world)]
+        rows = _kv_rows_to(geometry, g, exchange)  # [G] rows group g sends each group, forward + backward
+        crosses = torch.tensor([bool(node[p] != node[rank]) for p in peers])
+        kv_inter[rank] = float(rows[crosses].sum()) * row_bytes
+        kv_intra[rank] = float(rows[~crosses].sum()) * row_bytes
+    u_intra, u_inter = _ulysses_bytes(W, L, degree, H, Hk, head_dim * element_size, node)
+    real = geometry.doc_ids[: plan.seq_len]
+    group_work = attention_work(group_plan, real).double() * H / degree
+    work = group_work.repeat_interleave(degree)
+    return SchemeCost(degree, exchange, u_intra, u_inter, kv_intra, kv_inter, work)
+
+
+def _kv_rows_to(geometry: StepGeometry, g: int, exchange: str) -> torch.Tensor:
+    """``[G]``: K/V rows group `g` sends to each other group per layer, forward + backward."""
+    G = geometry.world
+    if G == 1:
+        return torch.zeros(1)
+    if exchange in NEEDED_ONLY:
+        transfer = geometry.transfer  # [dst, src]
+        return (transfer[:, g] + transfer[g, :]).double()  # K/V rows out, gradients of received rows back
+    rows = torch.full((G,), 2.0 * geometry.plan.local_len)  # an all-gather and its reduce-scatter: one shard
+    rows[g] = 0.0  # per other group each way (attributed evenly; a ring sends them all to one neighbour)
+    return rows
+
+
+def _ulysses_bytes(W: int, L: int, degree: int, H: int, Hk: int, elem_bytes: int, node: torch.Tensor):
+    """``[W]`` intra- and inter-node bytes of the head all-to-alls (equal chunks to each other member)."""
+    intra, inter = torch.zeros(W, dtype=torch.float64), torch.zeros(W, dtype=torch.float64)
+    if degree == 1:
+        return intra, inter
+    kv = Hk * (degree // math.gcd(Hk, degree))
+    per_peer = 2 * L * elem_bytes * (2 * H + 2 * kv) / degree  # forward + backward, to one other member
+    for rank in range(W):
+        first = rank - rank % degree
+        for peer in range(first, first + degree):
+            if peer != rank:
+                if node[peer] == node[rank]:
+                    intra[rank] += per_peer
+                else:
+                    inter[rank] += per_peer
+    return intra, inter
+
+
+def choose_ulysses_degree(doc_ids_S: torch.Tensor, world: int, config: CPConfig) -> DegreeChoice:
+    """``ulysses_degree="auto"``: the degree whose busiest rank sends the fewest bytes (Note [Scheme costs])."""
+    heads = config.attention_heads
+    plan = make_plan(doc_ids_S.cpu(), world, config.layout, config.balance_window)
+    costs = tuple(scheme_cost(plan, doc_ids_S, u, heads, exchange=config.kv_exchange)
+                  for u in candidate_degrees(world, heads[0]))
+    best = min(costs, key=lambda c: (round(c.max_sent), float(c.work.max()), c.degree))
+    summary = ", ".join(f"u={c.degree}: {c.max_sent:.0f}" for c in costs)
+    return DegreeChoice(best.degree, f"auto: fewest bytes on the busiest rank per layer (x head_dim x dtype size: "
+                                     f"{summary})", costs)

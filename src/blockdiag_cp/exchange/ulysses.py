@@ -1,0 +1,128 @@
+"""Head-parallel (Ulysses) CP around any K/V exchange: sequence shards become head shards.
+
+Note [Head-parallel groups]
+---------------------------
+With ``ulysses_degree = u`` the CP group's ``W`` ranks form ``G = W / u`` head-parallel
+groups of ``u`` consecutive ranks (`groups.HeadGroups`). Group ``g`` owns the positions
+of its members, ascending (`layout.merge_consecutive_ranks`): a plan of ``G`` ranks of
+``u * L`` positions, with its own geometry. Per attention call, member ``j``:
+
+1. sends every other member the rows of its ``L`` tokens for that member's slice of
+   heads and receives its own slice of the group's ``u * L`` tokens (one all-to-all of
+   q, k and v together: ``[u, L, H/u + 2 Hk'/u, D]``), rows reordered to the group's
+   ascending positions;
+2. runs the inner exchange (`kv_exchange`) over the cross group of the ``G`` ranks that
+   hold the same heads, routed on the group plan: only the K/V that the group's
+   documents need cross groups;
+3. returns the output rows to their owners by the inverse all-to-all.
+
+Backward mirrors both all-to-alls (the all-to-all of equal chunks is its own adjoint).
+Traffic per rank and call: the all-to-alls send ``(u - 1) L D (2 H/u + 2 Hk'/u)``
+elements forward and as many backward, whatever the documents; the inner exchange
+moves only needed K/V rows of ``Hk'/u`` heads between groups.
+
+Grouped-query attention: ``H % u == 0`` is required. K/V heads are split when
+``Hk % u == 0``; otherwise each is repeated ``r = u / gcd(Hk, u)`` times first
+(``Hk' = lcm(Hk, u)`` heads, still dividing ``H``), so that every member receives exactly
+the K/V heads its query heads use (with ``Hk < u`` a K/V head goes to several members).
+Attention sinks ``[H]`` are sliced the same way as the query heads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from .base import KVExchange, Traffic
+from .collectives import AllToAllChunks
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """One rank's head-parallel step facts (Note [Head-parallel groups]).
+
+    Attributes:
+        degree: ``u``; member: this rank's slice of heads; group: the head-parallel process group.
+        order: ``[u L]`` on the device: the member-major row of each ascending group row (None: identity).
+        inverse: ``[u L]``: the ascending row of each member-major row (None: identity).
+    """
+
+    degree: int
+    member: int
+    group: Any
+    order: Optional[torch.Tensor]
+    inverse: Optional[torch.Tensor]
+
+    @staticmethod
+    def build(degree: int, member: int, group: Any, order_uL: torch.Tensor, device: torch.device) -> "HeadSplit":
+        if torch.equal(order_uL, torch.arange(order_uL.numel())):
+            return HeadSplit(degree, member, group, None, None)
+        inverse = torch.empty_like(order_uL).scatter_(0, order_uL, torch.arange(order_uL.numel()))
+        return HeadSplit(degree, member, group, order_uL.to(device), inverse.to(device))
+
+    def kv_repeats(self, kv_heads: int) -> int:
+        """How often each K/V head is repeated so that the ``u`` members split them evenly."""
+        return self.degree // math.gcd(kv_heads, self.degree)
+
+    def problem(self, heads: int) -> Optional[ValueError]:
+        if heads % self.degree:
+            return ValueError(f"ulysses_degree={self.degree} splits the query heads among its ranks: "
+                              f"{heads} heads are not divisible by {self.degree}")
+        return None
+
+
+def ulysses_elements(degree: int, local_len: int, heads: int, kv_heads: int, head_dim: int) -> int:
+    """Elements one rank sends in the all-to-alls of one attention call, forward (the same backward)."""
+    kv = kv_heads * (degree // math.gcd(kv_heads, degree))
+    return (degree - 1) * local_len * head_dim * (2 * heads + 2 * kv) // degree
+
+
+class UlyssesExchange(KVExchange):
+    """Head-parallel all-to-alls around an inner exchange over the cross group (Note [Head-parallel groups])."""
+
+    name = "ulysses"
+
+    def __init__(self, inner: KVExchange, split: HeadSplit) -> None:
+        self.inner = inner
+        self.split = split
+        self.name = f"ulysses{split.degree}+{inner.name}" if inner.name != "local" else f"ulysses{split.degree}"
+        self.uses_p2p = inner.uses_p2p
+
+    @property
+    def traffic(self) -> Traffic:
+        """The inner exchange's K/V rows between groups (rows of ``Hk'/u`` heads)."""
+        return self.inner.traffic
+
+    def attend(self, q_HLD, k_HLD, v_HLD, kernel, scale, dropout_p, softcap=None, sinks=None):
+        split = self.split
+        repeats = split.kv_repeats(k_HLD.shape[0])
+        if repeats > 1:
+            k_HLD, v_HLD = (t.repeat_interleave(repeats, dim=0) for t in (k_HLD, v_HLD))
+        q, k, v = self._to_heads(q_HLD, k_HLD, v_HLD)
+        mine = None if sinks is None else sinks.reshape(split.degree, -1)[split.member]
+        out = self.inner.attend(q, k, v, kernel, scale, dropout_p, softcap=softcap, sinks=mine)
+        return self._to_sequence(out)
+
+    def _to_heads(self, q_HLD, k_HLD, v_HLD):
+        """``[H, L, D]`` sequence shards -> ``[H/u, u L, D]`` head shards (group rows ascending)."""
+        u, (H, L, D), Hk = self.split.degree, q_HLD.shape, k_HLD.shape[0]
+        parts = [t.transpose(0, 1).reshape(L, u, n, D).transpose(0, 1) for t, n in
+                 ((q_HLD, H // u), (k_HLD, Hk // u), (v_HLD, Hk // u))]
+        received = AllToAllChunks.apply(torch.cat(parts, dim=2), self.split.group)  # [u (source), L, T, D]
+        rows = received.reshape(u * L, -1, D)
+        if self.split.order is not None:
+            rows = rows.index_select(0, self.split.order)
+        q, k, v = torch.split(rows, [H // u, Hk // u, Hk // u], dim=1)
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+
+    def _to_sequence(self, o_HLD):
+        """``[H/u, u L, D]`` -> ``[H, L, D]``: each token's rows back to its owner, heads in order."""
+        u, (Hs, uL, D) = self.split.degree, o_HLD.shape
+        rows = o_HLD.transpose(0, 1)
+        if self.split.inverse is not None:
+            rows = rows.index_select(0, self.split.inverse)
+        received = AllToAllChunks.apply(rows.reshape(u, uL // u, Hs, D), self.split.group)  # [u (heads), L, Hs, D]
+        return received.permute(1, 0, 2, 3).reshape(uL // u, u * Hs, D).transpose(0, 1)
