@@ -47,7 +47,7 @@ def reference(arch):
     return torch.cat(logits, 1), loss.item(), [p.grad.clone() for p in model.parameters()]
 
 
-def cp_worker(rank, world, arch, checkpointing, layout):
+def cp_worker(rank, world, arch, checkpointing, layout, ulysses=1):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -61,7 +61,8 @@ def cp_worker(rank, world, arch, checkpointing, layout):
         model.train()
     ids, pos = packed_row()
     batch = add_shift_labels({"input_ids": ids, "position_ids": pos, "labels": ids.clone()})
-    train_ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh["cp"], None, batch, config=CPConfig(layout=layout))
+    config = CPConfig(layout=layout, ulysses_degree=ulysses)
+    train_ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh["cp"], None, batch, config=config)
     n_global = sum(n - 1 for n in LENGTHS)
     with train_ctx():
         # transformers' own loss path (it upcasts logits to float32): shift_labels + global item count
@@ -82,17 +83,19 @@ def cp_worker(rank, world, arch, checkpointing, layout):
 
 
 @pytest.mark.parametrize(
-    "arch, world, checkpointing, layout",
+    "arch, world, checkpointing, layout, ulysses",
     [
-        ("llama", 2, None, "contiguous"),
-        ("llama", 3, "non_reentrant", "balanced"),
-        ("qwen2", 2, "reentrant", "balanced"),
-        ("qwen2", 3, None, "contiguous"),
+        ("llama", 2, None, "contiguous", 1),
+        ("llama", 3, "non_reentrant", "balanced", 1),
+        ("qwen2", 2, "reentrant", "balanced", 1),
+        ("qwen2", 3, None, "contiguous", 1),
+        ("llama", 4, None, "balanced", 2),  # hybrid: head all-to-all in pairs, needed-only K/V between pairs
+        ("qwen2", 4, "reentrant", "contiguous", 4),  # pure Ulysses, 2 K/V heads over 4 ranks
     ],
 )
-def test_cp_model_matches_documents_run_alone(arch, world, checkpointing, layout):
+def test_cp_model_matches_documents_run_alone(arch, world, checkpointing, layout, ulysses):
     ref_logits, ref_loss, ref_grads = reference(arch)
-    for logits, (loss, hf_loss), grads in spawn(cp_worker, world, arch, checkpointing, layout, timeout=300):
+    for logits, (loss, hf_loss), grads in spawn(cp_worker, world, arch, checkpointing, layout, ulysses, timeout=300):
         assert (logits - ref_logits).abs().max() < 1e-10
         assert abs(loss - ref_loss) < 1e-10
         assert abs(hf_loss - ref_loss) < 1e-6  # float32 inside transformers' loss

@@ -8,6 +8,7 @@ makes a state the active one is in slot.py.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from .config import CPConfig
 from .exchange import ExchangeSetup, KVExchange, Traffic, build_exchange
-from .exchange.ulysses import HeadSplit, UlyssesExchange
+from .exchange.ulysses import HeadSplit, UlyssesExchange, ulysses_elements
 from .geometry import StepGeometry
 from .groups import HeadGroups
 from .kernels import AttentionKernel, fallback_kernels, select_kernel
@@ -168,6 +169,20 @@ class StepState:
     def traffic(self) -> Traffic:
         """K/V rows this rank sends/receives per attention call (forward and backward)."""
         return self.exchange.traffic
+
+    def bytes_per_layer(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        window: Optional[int] = None) -> dict[str, dict[str, int]]:
+        """Bytes this rank moves per attention layer of `heads` / `kv_heads` heads of `head_dim`:
+        ``"ulysses"`` (the head all-to-alls; zeros without head parallelism) and ``"kv"`` (K/V rows
+        between ranks, or between head-parallel groups), each as sent/received, forward/backward."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        degree = 1 if self.heads is None else self.heads.groups.degree
+        kv_per_rank = kv_heads * (degree // math.gcd(kv_heads, degree)) // degree
+        moved = ulysses_elements(degree, self.local_len, heads, kv_heads, head_dim) * size
+        return {
+            "ulysses": dict.fromkeys(("sent_fwd", "recv_fwd", "sent_bwd", "recv_bwd"), moved),
+            "kv": self.exchange_for(window).traffic.bytes(kv_per_rank, head_dim, dtype),
+        }
 
     def work_per_rank(self, window: Optional[int] = None) -> torch.Tensor:
         """``[W]``: causal attention work (query-key pairs) per rank (under a sliding `window`)."""
