@@ -1,4 +1,4 @@
-"""Command line: ``blockdiag-cp demo | bench | verify`` (also ``python -m blockdiag_cp``)."""
+"""Command line: ``blockdiag-cp demo | bench | verify | plan`` (also ``python -m blockdiag_cp``)."""
 
 from __future__ import annotations
 
@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--reference", choices=("auto", "yes", "no"), default="auto",
                        help="also run the seed's nemo-automodel reference (auto: when it is importable)")
     bench.add_argument("--out", default="blockdiag_cp_bench", help="prefix of the .md and .png written")
+
+    from .plan import add_plan_args
+
+    plan = sub.add_parser("plan", help="size a run too big for this machine: bytes, work and time per scheme")
+    add_plan_args(plan, _positive, (KV_EXCHANGES, LAYOUTS))
     return parser
 
 
@@ -88,6 +93,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .demo import run_demo
 
         return run_demo(args)
+    if args.command == "plan":
+        from .plan import run_plan
+
+        return run_plan(args)
     from .bench import run_bench
 
     return run_bench(args)
@@ -100,15 +109,19 @@ def settings_problem(args: argparse.Namespace) -> Optional[str]:
     """
     if getattr(args, "heads", 1) % getattr(args, "kv_heads", 1):
         return f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}"
-    if args.kernel in GPU_ONLY and not _launched_on_gpus(args):
+    if getattr(args, "kernel", None) in GPU_ONLY and not _launched_on_gpus(args):
         return f"--kernel {args.kernel} needs CUDA GPUs (launch verify with torchrun on GPUs); use auto, sdpa or dense"
-    if args.command == "bench":
+    if args.command in ("bench", "plan"):
         from .bench import doc_lengths
 
         try:
             doc_lengths(args.docs, args.seq_len)
         except ValueError as exc:
             return str(exc)
+    if args.command == "plan":
+        from .plan import plan_problem
+
+        return plan_problem(args)
     out = getattr(args, "out", None)
     if out is not None:
         folder = os.path.dirname(os.path.abspath(out))
