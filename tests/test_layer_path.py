@@ -27,12 +27,12 @@ def split_heads(x, H=4, Hk=2, D=8):
     return tuple(t.reshape(1, t.shape[1], -1, D).transpose(1, 2) for t in (q, k, v))
 
 
-def run_layers(mesh, exchange, kernel, layout):
+def run_layers(mesh, exchange, kernel, layout, ulysses=1):
     """Forward and backward of LAYERS attention layers; conversions counted after the first layer's forward."""
     ids = doc_ids_from_lengths(SEGMENTS).unsqueeze(0)
     xs = [x.requires_grad_(True) for x in layer_inputs(ids.shape[1], LAYERS)]
     batch = {"inputs_embeds": torch.cat(xs, dim=-1), "_packed_seq_ids": ids}
-    config = CPConfig(kv_exchange=exchange, kernel=kernel, layout=layout)
+    config = CPConfig(kv_exchange=exchange, kernel=kernel, layout=layout, ulysses_degree=ulysses)
     train_ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh, None, batch, config=config)
     layers = batch["inputs_embeds"].split(xs[0].shape[-1], dim=-1)
     with train_ctx() as state:
@@ -67,12 +67,17 @@ def test_counter_sees_every_kind_of_host_sync():
     assert [name for name, _ in counter.calls] == ["__bool__", "item", "tolist", "cpu", "__int__", "nonzero", "equal"]
 
 
-@pytest.mark.parametrize("world", [1, 3])
+#: head-parallel (world 4): degree 2 (hybrid) and 4 (pure Ulysses, K/V heads repeated)
+HEAD_PARALLEL = [(ex, kernel, layout, u) for u in (2, 4) for ex in ("a2a", "ring", "allgather", "auto")
+                 for kernel in ("sdpa", "dense") for layout in ("contiguous", "balanced")]
+
+
+@pytest.mark.parametrize("world", [1, 3, 4])
 def test_layer_calls_after_the_first_make_no_host_sync(world):
     if world == 1:
         results = [{combo: run_layers(None, *combo) for combo in COMBOS if combo[0] == "auto"}]
     else:
-        results = spawn(layer_worker, world, COMBOS)
+        results = spawn(layer_worker, world, COMBOS if world == 3 else HEAD_PARALLEL)
     for per_rank in results:
         for combo, (calls, ran) in per_rank.items():
             assert calls == [], (combo, ran, calls[:5])
