@@ -103,7 +103,7 @@ def build_trainer(args: argparse.Namespace, output_dir: str):
     from blockdiag_cp.trainer import BlockDiagCPTrainer
 
     return BlockDiagCPTrainer(args=training_arguments(args, output_dir), cp_size=args.cp,
-                              cp_config=CPConfig(layout=args.layout), **common)
+                              cp_config=CPConfig(layout=args.layout, ulysses_degree=args.ulysses_degree), **common)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -127,6 +127,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--accum", type=int, default=2, help="gradient accumulation steps")
     p.add_argument("--collator", choices=("flatten", "pad"), default="flatten")
     p.add_argument("--layout", choices=("contiguous", "balanced"), default="balanced")
+    p.add_argument("--ulysses-degree", type=int, default=1, help="head-parallel ranks inside each CP group")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--evaluate", action="store_true")

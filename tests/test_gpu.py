@@ -70,7 +70,8 @@ def test_layer_calls_make_no_host_sync_on_cuda(kernel):
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "flex", "auto"])
-@pytest.mark.parametrize("feature", [{"window": 500}, {"softcap": 30.0}, {"sinks": True}], ids=["window", "softcap", "sinks"])
+@pytest.mark.parametrize("feature", [{"window": 500}, {"softcap": 30.0}, {"sinks": True}],
+                         ids=["window", "softcap", "sinks"])
 def test_model_features_match_oracle_on_cuda(kernel, feature):
     """Sliding windows, logit softcapping and sinks in bf16 (a kernel without one falls back or refuses)."""
     case = ParityCase(SEGMENTS, heads=8, kv_heads=2, head_dim=64, kernel=kernel, dtype="bfloat16", device="cuda",

@@ -54,18 +54,19 @@ def assert_same_run(cp_lines, reference, params_path, loss_tol, param_tol):
 
 
 @pytest.mark.parametrize(
-    "nproc, flags",
+    "nproc, cp, flags",
     [
-        (2, ["--collator", "flatten", "--checkpointing", "--evaluate"]),  # dp=1 x cp=2, padding-free rows
-        (4, ["--collator", "pad", "--checkpointing", "--layout", "contiguous"]),  # dp=2 x cp=2, padded B > 1 rows
+        (2, 2, ["--collator", "flatten", "--checkpointing", "--evaluate"]),  # dp=1 x cp=2, padding-free rows
+        (4, 2, ["--collator", "pad", "--checkpointing", "--layout", "contiguous"]),  # dp=2 x cp=2, padded B > 1 rows
+        (4, 4, ["--collator", "flatten", "--ulysses-degree", "2"]),  # dp=1 x cp=4: head all-to-all in pairs
     ],
-    ids=["dp1xcp2-flatten", "dp2xcp2-padded"],
+    ids=["dp1xcp2-flatten", "dp2xcp2-padded", "dp1xcp4-ulysses2"],
 )
-def test_trainer_equals_the_run_without_cp(tmp_path, nproc, flags):
+def test_trainer_equals_the_run_without_cp(tmp_path, nproc, cp, flags):
     trainer_example = example("train_trainer")
     common = ["--steps", "4", "--accum", "2", *flags]
-    cp_lines = torchrun(nproc, "train_trainer.py", "--cp", "2", "--save", str(tmp_path / "p.pt"), *common)
-    reference = trainer_example.run(trainer_example.parse_args(["--cp", "0", "--dp", str(nproc // 2), *common]))
+    cp_lines = torchrun(nproc, "train_trainer.py", "--cp", str(cp), "--save", str(tmp_path / "p.pt"), *common)
+    reference = trainer_example.run(trainer_example.parse_args(["--cp", "0", "--dp", str(nproc // cp), *common]))
     assert_same_run(cp_lines, reference, tmp_path / "p.pt", loss_tol=2e-4, param_tol=1e-5)
 
 

@@ -10,6 +10,8 @@ The flow, once per training step, then once per attention layer::
                           tables: all built once, frozen
     per attention layer   cp_blockdiag_sdpa(q, k, v)                   attention.py
       -> exchange         deliver the K/V rows the local queries see  exchange/
+                          (with ulysses_degree > 1: inside head        exchange/ulysses.py,
+                          all-to-alls, between head-parallel groups)  groups.py
       -> kernel           attention over them, fused, no mask         kernels/
 
 Around it: `gather_sequence` (unshard logits), `loss` (next-token targets across
@@ -48,7 +50,7 @@ from .layout import ShardPlan, plan_shards
 from .slot import current_step
 from .state import StepState
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = (
     "CPConfig",

@@ -12,7 +12,7 @@ head-parallel degree ``u`` (1: the needed-only / all-gather / ring exchange alon
 - K/V between groups, on the plan of the ``W / u`` groups: for the needed-only
   exchanges (``auto``, ``a2a``, ``halo``) the rows the group owns that others need
   (forward) plus the gradients of the rows it received (backward), ``2 Hk'/u D``
-  elements a row; ``allgather`` and ``ring`` move ``(G - 1) u L`` rows each way
+  elements a row; ``allgather`` and ``ring`` move ``(W/u - 1) u L`` rows each way
   (an upper bound for the ring, which stops early when nothing further is needed);
 - work: the query-key pairs of the rank's queries times its heads (``H`` at ``u = 1``;
   the group's pairs times ``H / u`` otherwise: a group's members split its work evenly).
@@ -99,7 +99,7 @@ def scheme_cost(
     for rank in range(W):
         g, member = divmod(rank, degree)
         peers = [h * degree + member for h in range(geometry.world)]
-        rows = _kv_rows_to(geometry, g, exchange)  # [G] rows group g sends each group, forward + backward
+        rows = _kv_rows_to(geometry, g, exchange)  # [W/u] rows group g sends each group, forward + backward
         crosses = torch.tensor([bool(node[p] != node[rank]) for p in peers])
         kv_inter[rank] = float(rows[crosses].sum()) * row_bytes
         kv_intra[rank] = float(rows[~crosses].sum()) * row_bytes
@@ -111,14 +111,14 @@ def scheme_cost(
 
 
 def _kv_rows_to(geometry: StepGeometry, g: int, exchange: str) -> torch.Tensor:
-    """``[G]``: K/V rows group `g` sends to each other group per layer, forward + backward."""
-    G = geometry.world
-    if G == 1:
+    """``[W/u]``: K/V rows group `g` sends to each other group per layer, forward + backward."""
+    groups = geometry.world
+    if groups == 1:
         return torch.zeros(1)
     if exchange in NEEDED_ONLY:
         transfer = geometry.transfer  # [dst, src]
         return (transfer[:, g] + transfer[g, :]).double()  # K/V rows out, gradients of received rows back
-    rows = torch.full((G,), 2.0 * geometry.plan.local_len)  # an all-gather and its reduce-scatter: one shard
+    rows = torch.full((groups,), 2.0 * geometry.plan.local_len)  # an all-gather and its reduce-scatter: one shard
     rows[g] = 0.0  # per other group each way (attributed evenly; a ring sends them all to one neighbour)
     return rows
 
@@ -145,9 +145,14 @@ def choose_ulysses_degree(doc_ids_S: torch.Tensor, world: int, config: CPConfig)
     """``ulysses_degree="auto"``: the degree whose busiest rank sends the fewest bytes (Note [Scheme costs])."""
     heads = config.attention_heads
     plan = make_plan(doc_ids_S.cpu(), world, config.layout, config.balance_window)
-    costs = tuple(scheme_cost(plan, doc_ids_S, u, heads, exchange=config.kv_exchange)
-                  for u in candidate_degrees(world, heads[0]))
+    return pick_degree([scheme_cost(plan, doc_ids_S, u, heads, exchange=config.kv_exchange)
+                        for u in candidate_degrees(world, heads[0])])
+
+
+def pick_degree(costs: list[SchemeCost]) -> DegreeChoice:
+    """The cheapest of `costs` in bytes on the busiest rank (ties: least work on the busiest rank,
+    then the smaller degree)."""
     best = min(costs, key=lambda c: (round(c.max_sent), float(c.work.max()), c.degree))
-    summary = ", ".join(f"u={c.degree}: {c.max_sent:.0f}" for c in costs)
-    return DegreeChoice(best.degree, f"auto: fewest bytes on the busiest rank per layer (x head_dim x dtype size: "
-                                     f"{summary})", costs)
+    scale = max(c.max_sent for c in costs) or 1.0
+    summary = ", ".join(f"u={c.degree}: {c.max_sent / scale:.3f}" for c in costs)
+    return DegreeChoice(best.degree, f"auto: fewest bytes on the busiest rank ({summary} of the most)", tuple(costs))

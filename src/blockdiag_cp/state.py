@@ -75,8 +75,8 @@ class HeadParallel:
 
     @staticmethod
     def build(plan: ShardPlan, doc_ids_S: torch.Tensor, groups: HeadGroups, device: torch.device) -> "HeadParallel":
-        group_plan, order_GL = merge_consecutive_ranks(plan, groups.degree)
-        split = HeadSplit.build(groups.degree, groups.member, groups.heads_group, order_GL[groups.index], device)
+        group_plan, order_per_group = merge_consecutive_ranks(plan, groups.degree)
+        split = HeadSplit.build(groups.degree, groups.member, groups.heads_group, order_per_group[groups.index], device)
         return HeadParallel(groups, StepGeometry.build(group_plan, doc_ids_S), split)
 
 

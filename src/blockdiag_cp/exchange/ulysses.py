@@ -2,16 +2,16 @@
 
 Note [Head-parallel groups]
 ---------------------------
-With ``ulysses_degree = u`` the CP group's ``W`` ranks form ``G = W / u`` head-parallel
+With ``ulysses_degree = u`` the CP group's ``W`` ranks form ``W / u`` head-parallel
 groups of ``u`` consecutive ranks (`groups.HeadGroups`). Group ``g`` owns the positions
-of its members, ascending (`layout.merge_consecutive_ranks`): a plan of ``G`` ranks of
+of its members, ascending (`layout.merge_consecutive_ranks`): a plan of ``W / u`` ranks of
 ``u * L`` positions, with its own geometry. Per attention call, member ``j``:
 
 1. sends every other member the rows of its ``L`` tokens for that member's slice of
    heads and receives its own slice of the group's ``u * L`` tokens (one all-to-all of
    q, k and v together: ``[u, L, H/u + 2 Hk'/u, D]``), rows reordered to the group's
    ascending positions;
-2. runs the inner exchange (`kv_exchange`) over the cross group of the ``G`` ranks that
+2. runs the inner exchange (`kv_exchange`) over the cross group of the ``W / u`` ranks that
    hold the same heads, routed on the group plan: only the K/V that the group's
    documents need cross groups;
 3. returns the output rows to their owners by the inverse all-to-all.
@@ -36,6 +36,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..errors import ensure
 from .base import KVExchange, Traffic
 from .collectives import AllToAllChunks
 
@@ -98,6 +99,8 @@ class UlyssesExchange(KVExchange):
 
     def attend(self, q_HLD, k_HLD, v_HLD, kernel, scale, dropout_p, softcap=None, sinks=None):
         split = self.split
+        ensure(split.group is not None, "a head-parallel state planned without process groups cannot attend "
+               "(build it through make_cp_blockdiag_batch_and_ctx)")
         repeats = split.kv_repeats(k_HLD.shape[0])
         if repeats > 1:
             k_HLD, v_HLD = (t.repeat_interleave(repeats, dim=0) for t in (k_HLD, v_HLD))

@@ -90,7 +90,7 @@ def attention_work(plan: ShardPlan, doc_ids_S: torch.Tensor, window: Optional[in
 
 def merge_consecutive_ranks(plan: ShardPlan, degree: int) -> tuple[ShardPlan, torch.Tensor]:
     """The plan of ``W / degree`` groups of `degree` consecutive ranks, each group owning its
-    members' positions (ascending), and ``order [G, degree * L]``: for each sorted row of a
+    members' positions (ascending), and ``order [W / degree, degree * L]``: for each sorted row of a
     group, its row in the members' concatenation (member after member, each in local order).
     """
     W, L = plan.positions_WL.shape

@@ -13,15 +13,16 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
-from ..cost import SchemeCost, candidate_degrees, scheme_cost
+from ..cost import SchemeCost, candidate_degrees, pick_degree, scheme_cost
 from ..layout import make_plan
 from ..testing import doc_ids_from_lengths
 from .bench import doc_lengths
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPE_BYTES = MappingProxyType({"bfloat16": 2, "float16": 2, "float32": 4})
 
 
 @dataclass(frozen=True)
@@ -68,12 +69,14 @@ def table(args: argparse.Namespace, costs: list[tuple[Scheme, SchemeCost]]) -> l
 
 
 def auto_choice(costs: list[tuple[Scheme, SchemeCost]], args: argparse.Namespace) -> tuple[str, str]:
-    """What ``ulysses_degree='auto'`` takes (fewest bytes on the busiest rank), and the fastest predicted scheme."""
+    """What ``ulysses_degree='auto'`` takes (`cost.pick_degree` over the degrees of `--exchange`), and the
+    fastest predicted scheme."""
     candidates = [(s, c) for s, c in costs if s.exchange == args.exchange]
-    by_bytes = min(candidates, key=lambda sc: (round(sc[1].max_sent), float(sc[1].work.max()), sc[0].degree))
+    degree = pick_degree([c for _, c in candidates]).degree
+    by_bytes = next(s for s, c in candidates if s.degree == degree)
     by_time = min(costs, key=lambda sc: float(sc[1].seconds(args.intra_gbps, args.inter_gbps, args.head_dim,
                                                              args.tflops).max()))
-    return by_bytes[0].name, by_time[0].name
+    return by_bytes.name, by_time[0].name
 
 
 def run_plan(args: argparse.Namespace) -> int:
