@@ -15,3 +15,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def rank_pools():
+    """``rank_pools(world)``: long-lived gloo ranks of that world, started once per session.
+
+    Spawning ranks costs 2.5 s (2 ranks) to 8 s (6 ranks) here, mostly importing torch;
+    tests whose workers end every collective they start share these. Tests that make
+    ranks fail, hang or measure a fresh process keep `spawn`.
+    """
+    from blockdiag_cp.testing import RankPool
+
+    pools = {}
+
+    def get(world):
+        if world not in pools:
+            pools[world] = RankPool(world, timeout=600)
+        return pools[world]
+
+    yield get
+    for pool in pools.values():
+        pool.close()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from blockdiag_cp import CPConfig, make_cp_batch_and_ctx, make_cp_blockdiag_batch_and_ctx, plan_shards
-from blockdiag_cp.testing import doc_ids_from_lengths, spawn
+from blockdiag_cp.testing import doc_ids_from_lengths
 
 SEGMENTS = (5, -2, 9, 1, 3, -1)  # S = 21: not a multiple of 2, 3, 4 or 5
 
@@ -51,8 +51,8 @@ def shard_worker(rank, world, layout, mrope):
 
 @pytest.mark.parametrize("layout", ["contiguous", "balanced"])
 @pytest.mark.parametrize("world,mrope", [(3, False), (4, True)])
-def test_every_rank_gets_exactly_its_planned_positions(world, layout, mrope):
-    shards = spawn(shard_worker, world, layout, mrope)
+def test_every_rank_gets_exactly_its_planned_positions(world, layout, mrope, rank_pools):
+    shards = rank_pools(world).run(shard_worker, layout, mrope)
     full = full_batch(mrope=mrope)
     plan = plan_shards(full["_packed_seq_ids"], world, layout)
     assert plan.padded_len % world == 0 and plan.padded_len - 21 < world
@@ -131,8 +131,8 @@ def seq_dims_worker(rank, world):
     return out["per_layer_inputs"]
 
 
-def test_extra_sequence_keys_follow_the_plan_on_every_rank():
-    shards = spawn(seq_dims_worker, 3)
+def test_extra_sequence_keys_follow_the_plan_on_every_rank(rank_pools):
+    shards = rank_pools(3).run(seq_dims_worker)
     plan = plan_shards(doc_ids_from_lengths(SEGMENTS), 3, "balanced")
     full = torch.cat([torch.arange(21 * 3, dtype=torch.float32).reshape(1, 21, 3), torch.zeros(1, plan.padded_len - 21, 3)], 1)
     for rank, shard in enumerate(shards):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from blockdiag_cp.testing import doc_ids_from_lengths, spawn
+from blockdiag_cp.testing import doc_ids_from_lengths
 
 HK, D = 4, 64
 ROW_BYTES = 2 * HK * D * 4  # K and V of one token, float32
@@ -64,19 +64,20 @@ def meter_worker(rank, world, segments, exchanges, layout, window=None):
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_needed_only_exchanges_send_within_10_percent_of_minimum(world, name):
+def test_needed_only_exchanges_send_within_10_percent_of_minimum(world, name, rank_pools):
     exchanges = ("auto", "a2a", "halo")
-    for rank, per_exchange in enumerate(spawn(meter_worker, world, LAYOUTS[name], exchanges, "contiguous")):
+    for rank, per_exchange in enumerate(rank_pools(world).run(meter_worker, LAYOUTS[name], exchanges, "contiguous")):
         for exchange, r in per_exchange.items():
             minimum = r["min_rows"] * ROW_BYTES
             assert r["planned_rows"] == r["min_rows"], (rank, exchange, r)
             assert minimum <= r["sent"] <= 1.10 * minimum + FRAMING, (rank, exchange, r)
 
 
-def test_ring_and_allgather_send_what_they_plan():
+def test_ring_and_allgather_send_what_they_plan(rank_pools):
     """The allgather plan counts a ring all-gather plus a ring reduce-scatter ((W-1) L rows
     each); gloo implements reduce-scatter as an all-reduce, which sends twice that."""
-    for rank, per_exchange in enumerate(spawn(meter_worker, 4, LAYOUTS["mixed"], ("ring", "allgather"), "balanced")):
+    results = rank_pools(4).run(meter_worker, LAYOUTS["mixed"], ("ring", "allgather"), "balanced")
+    for rank, per_exchange in enumerate(results):
         ring, gather = per_exchange["ring"], per_exchange["allgather"]
         planned = ring["planned_rows"] * ROW_BYTES
         assert planned <= ring["sent"] <= 1.10 * planned + FRAMING, (rank, ring)
@@ -86,10 +87,11 @@ def test_ring_and_allgather_send_what_they_plan():
 
 
 @pytest.mark.parametrize("world,layout", [(2, "contiguous"), (4, "contiguous"), (2, "balanced")])
-def test_windowed_exchanges_move_only_the_window(world, layout):
+def test_windowed_exchanges_move_only_the_window(world, layout, rank_pools):
     """A window of 64 over long documents: each boundary moves at most 63 rows (plus their gradients)."""
     segments, window = LAYOUTS["one_doc"], 64
-    for rank, per_exchange in enumerate(spawn(meter_worker, world, segments, ("auto", "a2a", "halo"), layout, window)):
+    results = rank_pools(world).run(meter_worker, segments, ("auto", "a2a", "halo"), layout, window)
+    for rank, per_exchange in enumerate(results):
         for exchange, r in per_exchange.items():
             minimum = r["min_rows"] * ROW_BYTES
             assert r["planned_rows"] == r["min_rows"], (rank, exchange, r)

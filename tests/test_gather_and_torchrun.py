@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from blockdiag_cp.testing import doc_ids_from_lengths, spawn
+from blockdiag_cp.testing import doc_ids_from_lengths
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SEGMENTS = (7, -2, 12, 1, 5)  # S = 27
@@ -33,9 +33,9 @@ def gather_worker(rank, world, layout):
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "balanced"])
-def test_gather_sequence_round_trips_values_and_gradients(layout):
+def test_gather_sequence_round_trips_values_and_gradients(layout, rank_pools):
     world = 3
-    for same, grad, weight in spawn(gather_worker, world, layout):
+    for same, grad, weight in rank_pools(world).run(gather_worker, layout):
         assert same
         # each rank's shard receives the gradient of every rank's use of its rows
         assert torch.allclose(grad, world * weight, rtol=0, atol=1e-12)
@@ -48,7 +48,7 @@ def test_gather_sequence_needs_a_step():
         gather_sequence(torch.zeros(1, 4, 2))
 
 
-def torchrun(nproc, *args, timeout=300):
+def torchrun(nproc, *args):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from blockdiag_cp.testing import ParityCase, RankPool, reference_error, run_parity_case, spawn
+from blockdiag_cp.testing import ParityCase, reference_error, run_parity_case, spawn
 
 EXCHANGES = ("allgather", "halo", "a2a", "ring", "auto")
 
@@ -19,10 +19,9 @@ def mesh_worker(rank, world, cases):
     return [run_parity_case(case, mesh["cp"]) for case in cases]
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4])
-def pool(request):
-    with RankPool(request.param) as p:
-        yield p
+@pytest.fixture(params=[2, 3, 4])
+def pool(request, rank_pools):
+    return rank_pools(request.param)
 
 
 segments = st.lists(st.one_of(st.integers(1, 24), st.integers(-6, -1)), min_size=1, max_size=12).filter(
@@ -111,13 +110,13 @@ def test_runs_are_bitwise_deterministic():
         assert torch.equal(a.output, b.output) and torch.equal(a.input_grad, b.input_grad), case
 
 
-def test_low_precision_within_reference_error():
+def test_low_precision_within_reference_error(rank_pools):
     cases = [ParityCase((40, -30, 25, 60, -50), heads=8, kv_heads=2, head_dim=16, kv_exchange=ex, kernel=k,
                         layout=layout, dtype=dtype)
              for dtype in ("bfloat16", "float16") for layout in ("contiguous", "balanced")
              for ex in ("auto", "ring", "allgather") for k in ("sdpa", "dense")]
     bounds = {dtype: reference_error(next(c for c in cases if c.dtype == dtype)) for dtype in ("bfloat16", "float16")}
-    for rank_results in spawn(mesh_worker, 4, cases):
+    for rank_results in rank_pools(4).run(mesh_worker, cases):
         assert len(rank_results) == len(cases)
         for r in rank_results:
             ref_out, ref_grad = bounds[r.case.dtype]
@@ -146,9 +145,9 @@ def large_scores_worker(rank, world, combos):
     return finite
 
 
-def test_no_nan_with_huge_scores_and_padding_ranks():
+def test_no_nan_with_huge_scores_and_padding_ranks(rank_pools):
     combos = [(dtype, kernel) for dtype in (torch.bfloat16, torch.float16, torch.float32) for kernel in ("sdpa", "dense")]
-    for finite in spawn(large_scores_worker, 4, combos):
+    for finite in rank_pools(4).run(large_scores_worker, combos):
         assert len(finite) == len(combos) and all(finite.values()), finite
 
 

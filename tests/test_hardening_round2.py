@@ -76,8 +76,8 @@ COMBOS = [("auto", "auto"), ("sdpa", "ring"), ("dense", "a2a"), ("sdpa", "allgat
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_queries_whose_last_dimension_is_not_unit_stride_are_exact(world):
-    results = [check_strides(None, COMBOS)] if world == 1 else spawn(strides_worker, world, COMBOS)
+def test_queries_whose_last_dimension_is_not_unit_stride_are_exact(world, rank_pools):
+    results = [check_strides(None, COMBOS)] if world == 1 else rank_pools(world).run(strides_worker, COMBOS)
     for errors in results:
         assert len(errors) == 3 * len(COMBOS)
         assert all(err < 1e-12 for err in errors.values()), errors
@@ -168,8 +168,8 @@ def position_break_worker(rank, world, kind):
 
 
 @pytest.mark.parametrize("kind", ["start_at_1", "chunk"])
-def test_position_breaks_split_documents_inside_a_step(kind):
-    assert all(err < 1e-10 for err in spawn(position_break_worker, 2, kind))
+def test_position_breaks_split_documents_inside_a_step(kind, rank_pools):
+    assert all(err < 1e-10 for err in rank_pools(2).run(position_break_worker, kind))
 
 
 def test_padding_mask_with_restarting_positions_outside_a_step():

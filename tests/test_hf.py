@@ -6,7 +6,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import blockdiag_cp.hf as bhf  # noqa: E402  (registers "blockdiag_cp")
-from blockdiag_cp.testing import spawn  # noqa: E402
 
 LENGTHS = (7, 12, 5, 9, 3, 14)
 VOCAB = 50
@@ -93,9 +92,9 @@ def cp_worker(rank, world, arch, checkpointing, layout, ulysses=1):
         ("qwen2", 4, "reentrant", "contiguous", 4),  # pure Ulysses, 2 K/V heads over 4 ranks
     ],
 )
-def test_cp_model_matches_documents_run_alone(arch, world, checkpointing, layout, ulysses):
+def test_cp_model_matches_documents_run_alone(arch, world, checkpointing, layout, ulysses, rank_pools):
     ref_logits, ref_loss, ref_grads = reference(arch)
-    for logits, (loss, hf_loss), grads in spawn(cp_worker, world, arch, checkpointing, layout, ulysses, timeout=300):
+    for logits, (loss, hf_loss), grads in rank_pools(world).run(cp_worker, arch, checkpointing, layout, ulysses):
         assert (logits - ref_logits).abs().max() < 1e-10
         assert abs(loss - ref_loss) < 1e-10
         assert abs(hf_loss - ref_loss) < 1e-6  # float32 inside transformers' loss

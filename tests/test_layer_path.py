@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from blockdiag_cp import CPConfig, cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
-from blockdiag_cp.testing import count_host_syncs, doc_ids_from_lengths, spawn
+from blockdiag_cp.testing import count_host_syncs, doc_ids_from_lengths
 
 SEGMENTS = (9, 3, -2, 17, 1, 6, 5, -3, 11)
 LAYERS = 4
@@ -73,11 +73,11 @@ HEAD_PARALLEL = [(ex, kernel, layout, u) for u in (2, 4) for ex in ("a2a", "ring
 
 
 @pytest.mark.parametrize("world", [1, 3, 4])
-def test_layer_calls_after_the_first_make_no_host_sync(world):
+def test_layer_calls_after_the_first_make_no_host_sync(world, rank_pools):
     if world == 1:
         results = [{combo: run_layers(None, *combo) for combo in COMBOS if combo[0] == "auto"}]
     else:
-        results = spawn(layer_worker, world, COMBOS if world == 3 else HEAD_PARALLEL)
+        results = rank_pools(world).run(layer_worker, COMBOS if world == 3 else HEAD_PARALLEL)
     for per_rank in results:
         for combo, (calls, ran) in per_rank.items():
             assert calls == [], (combo, ran, calls[:5])

@@ -10,7 +10,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from blockdiag_cp.testing import spawn  # noqa: E402
 
 LENGTHS = (7, 12, 5, 9, 3, 14)  # windows of 4 cut every document but the 3-token one
 VOCAB = 50
@@ -111,9 +110,9 @@ def zoo_worker(rank, world, names):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_model_families_match_each_document_run_alone(world):
+def test_model_families_match_each_document_run_alone(world, rank_pools):
     names = tuple(ZOO)
-    for worst in spawn(zoo_worker, world, names, timeout=600):
+    for worst in rank_pools(world).run(zoo_worker, names):
         assert len(worst) == len(names) * 2 * len(EXCHANGES)
         bad = {key: err for key, (err, tol) in worst.items() if not err <= tol}
         assert not bad, bad

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from blockdiag_cp import CPConfig
-from blockdiag_cp.testing import ParityCase, RankPool, doc_ids_from_lengths, parity_worker, spawn
+from blockdiag_cp.testing import ParityCase, doc_ids_from_lengths, parity_worker
 
 #: straddling documents, one document over all ranks, tiny documents, interior padding,
 #: ranks of only padding (at world 4 and 6 the long padding run fills whole ranks)
@@ -36,32 +36,33 @@ def assert_exact(results):
     return seen
 
 
-def test_world_4_every_degree_exchange_and_layout_is_exact():
+def test_world_4_every_degree_exchange_and_layout_is_exact(rank_pools):
     """Degrees 2 and 4; GQA 8:2 (K/V heads split) and 4:1 (one K/V head repeated for every member)."""
-    seen = assert_exact(spawn(parity_worker, 4, cases_for((2, 4), ((8, 2), (4, 1))), timeout=600))
+    cases = cases_for((2,), ((8, 2), (4, 1))) + cases_for((4,), ((8, 2), (4, 1)), exchanges=("auto",))
+    seen = assert_exact(rank_pools(4).run(parity_worker, cases))
     assert {"ulysses2+a2a", "ulysses2+halo", "ulysses2+ring", "ulysses2+allgather", "ulysses4"} <= seen
 
 
-def test_world_6_degrees_2_3_6_are_exact():
-    cases = cases_for((2, 3, 6), ((6, 2), (12, 4)), exchanges=("auto", "a2a", "ring"))
-    seen = assert_exact(spawn(parity_worker, 6, cases, timeout=600))
+def test_world_6_degrees_2_3_6_are_exact(rank_pools):
+    cases = cases_for((2, 3), ((6, 2), (12, 4)), exchanges=("auto", "a2a", "ring"))
+    cases += cases_for((6,), ((6, 2), (12, 4)), exchanges=("auto",))  # one group: no exchange between groups
+    seen = assert_exact(rank_pools(6).run(parity_worker, cases))
     assert {"ulysses3+a2a", "ulysses2+ring", "ulysses6"} <= seen
 
 
-def test_layer_features_checkpointing_and_kernels_under_head_parallelism():
+def test_layer_features_checkpointing_and_kernels_under_head_parallelism(rank_pools):
     row = ROWS["straddling"]
     cases = [ParityCase(row, heads=4, kv_heads=2, ulysses_degree=2, **extra) for extra in (
         {"window": 9}, {"window": 9, "layout": "balanced", "kv_exchange": "halo"}, {"softcap": 2.0},
         {"sinks": True}, {"sinks": True, "kv_exchange": "ring"}, {"checkpoint": "reentrant"},
         {"checkpoint": "non_reentrant", "layout": "balanced"}, {"kernel": "dense"}, {"kernel": "sdpa"},
     )]
-    assert_exact(spawn(parity_worker, 4, cases, timeout=300))
+    assert_exact(rank_pools(4).run(parity_worker, cases))
 
 
-@pytest.fixture(scope="module")
-def pool4():
-    with RankPool(4) as p:
-        yield p
+@pytest.fixture
+def pool4(rank_pools):
+    return rank_pools(4)
 
 
 segments = st.lists(st.one_of(st.integers(1, 30), st.integers(-8, -1)), min_size=1, max_size=12).filter(
@@ -101,8 +102,8 @@ def bad_degree_worker(rank, world):
     return errors
 
 
-def test_bad_degrees_are_clear_errors_on_every_rank():
-    for errors in spawn(bad_degree_worker, 4):
+def test_bad_degrees_are_clear_errors_on_every_rank(rank_pools):
+    for errors in rank_pools(4).run(bad_degree_worker):
         assert len(errors) == 2
         assert "ulysses_degree=3 must divide the CP group size 4" in errors[0]
         assert "6 heads are not divisible by 4" in errors[1]
@@ -193,14 +194,14 @@ METER_RUNS = {
 
 
 @pytest.mark.parametrize("world", sorted(METER_RUNS))
-def test_planner_predicts_measured_bytes_and_each_scheme_is_within_10_percent_of_its_minimum(world, capsys):
+def test_planner_predicts_measured_bytes_and_each_scheme_is_within_10_percent_of_its_minimum(world, capsys, rank_pools):
     """Measured gloo bytes (wchar) beside `blockdiag-cp plan`'s prediction and each scheme's analytic minimum
     (Ulysses: the all-to-all formula; K/V: the need matrix); printed as a table."""
     from blockdiag_cp.cost import scheme_cost
     from blockdiag_cp.layout import make_plan
 
     ids = doc_ids_from_lengths(ROW)
-    measured = spawn(meter_worker, world, ROW, METER_RUNS[world], timeout=300)
+    measured = rank_pools(world).run(meter_worker, ROW, METER_RUNS[world])
     lines = [f"world {world}: | degree, exchange, layout | rank | measured B | predicted B | minimum B |"]
     for degree, exchange, layout in METER_RUNS[world]:
         plan = make_plan(ids, world, layout)
@@ -219,7 +220,7 @@ def test_planner_predicts_measured_bytes_and_each_scheme_is_within_10_percent_of
 def test_cost_model_predicts_the_planned_bytes_exactly():
     """`scheme_cost` (what `ulysses_degree='auto'` and `blockdiag-cp plan` use) against the step state."""
     from blockdiag_cp.cost import scheme_cost
-    from blockdiag_cp.layout import make_plan
+    from blockdiag_cp.layout import attention_work, make_plan
     from blockdiag_cp.state import build_step_state
 
     for world, segments in ((4, ROW), (6, ROWS["straddling"]), (6, (400,)), (3, ROWS["padding ranks"])):
@@ -234,6 +235,9 @@ def test_cost_model_predicts_the_planned_bytes_exactly():
                     planned = state.bytes_per_layer(12, 2, D, torch.float32)
                     sent = sum(planned[k]["sent_fwd"] + planned[k]["sent_bwd"] for k in planned)
                     assert sent == cost.sent[rank], (world, degree, layout, rank, sent, cost.sent[rank])
+                    work = state.work_per_rank()  # pairs x heads / H: a group's members share its work
+                    assert float(work[rank]) * 12 == float(cost.work[rank])
+                    assert float(work.sum()) == float(attention_work(make_plan(ids, 1, layout), ids).sum())
 
 
 def test_auto_degree_picks_the_cheapest_scheme_in_bytes():

@@ -12,7 +12,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from blockdiag_cp.testing import spawn  # noqa: E402
 
 IMAGE, VIDEO, V_START, V_END, TIMESTAMP = 60, 61, 62, 63, 7
 #: (text tokens before, [(kind, (t, h, w))], text tokens after) per sample, then PADDING tokens
@@ -173,9 +172,9 @@ def vlm_worker(rank, world, family, layouts, spec=SAMPLES, train_vision=True):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("world", [2, 3])
-def test_packed_vlm_rows_match_each_sample_run_alone(family, world):
+def test_packed_vlm_rows_match_each_sample_run_alone(family, world, rank_pools):
     total_patches = sum(t * h * w for _, visuals, _ in SAMPLES for _, (t, h, w) in visuals)
-    per_rank = spawn(vlm_worker, world, family, ("contiguous", "balanced"), timeout=600)
+    per_rank = rank_pools(world).run(vlm_worker, family, ("contiguous", "balanced"))
     for layout in ("contiguous", "balanced"):
         encoded = [r[layout][1] for r in per_rank]
         assert sum(encoded) == total_patches, encoded  # every image encoded on exactly one rank
@@ -194,11 +193,11 @@ def check_errors(per_rank, layout):
 
 
 @pytest.mark.parametrize("train_vision", [True, False])
-def test_a_rank_with_no_image_to_encode_still_pairs_the_exchange(train_vision):
+def test_a_rank_with_no_image_to_encode_still_pairs_the_exchange(train_vision, rank_pools):
     """One image at cp = 3: two ranks encode nothing, yet join the all-gather and its backward
     (a frozen vision tower: no backward exchange on any rank)."""
     spec = ((2, [("image", (1, 4, 8))], 3), (5, [], 4))
-    per_rank = spawn(vlm_worker, 3, "qwen3_vl", ("balanced",), spec, train_vision, timeout=240)  # a hang fails
+    per_rank = rank_pools(3).run(vlm_worker, "qwen3_vl", ("balanced",), spec, train_vision)  # a hang times out
     assert sorted(r["balanced"][1] for r in per_rank) == [0, 0, 32]
     check_errors(per_rank, "balanced")
 

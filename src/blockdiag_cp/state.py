@@ -185,9 +185,16 @@ class StepState:
         }
 
     def work_per_rank(self, window: Optional[int] = None) -> torch.Tensor:
-        """``[W]``: causal attention work (query-key pairs) per rank (under a sliding `window`)."""
+        """``[W]``: causal attention work (query-key pairs, all heads) per rank (under a sliding `window`).
+
+        Under ``ulysses_degree = u`` each rank computes its head-parallel group's pairs for
+        ``H / u`` heads: the group's work divided by ``u`` (float64).
+        """
         real = self.geometry.doc_ids[: self.plan.seq_len]
-        return attention_work(self.plan, real, window)
+        if self.heads is None:
+            return attention_work(self.plan, real, window)
+        degree = self.heads.groups.degree
+        return attention_work(self.heads.geometry.plan, real, window).double().repeat_interleave(degree) / degree
 
 
 def build_step_state(
