@@ -48,7 +48,7 @@ def test_gather_sequence_needs_a_step():
         gather_sequence(torch.zeros(1, 4, 2))
 
 
-def torchrun(nproc, *args):
+def torchrun(nproc, *args, timeout=300):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
