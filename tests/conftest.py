@@ -30,6 +30,8 @@ def rank_pools():
     pools = {}
 
     def get(world):
+        if world in pools and pools[world].broken:  # a rank died or hung: start fresh ranks
+            pools.pop(world).close()
         if world not in pools:
             pools[world] = RankPool(world, timeout=600)
         return pools[world]

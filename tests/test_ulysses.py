@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from blockdiag_cp import CPConfig
-from blockdiag_cp.testing import ParityCase, doc_ids_from_lengths, parity_worker
+from blockdiag_cp.testing import ParityCase, doc_ids_from_lengths, parity_worker, spawn
 
 #: straddling documents, one document over all ranks, tiny documents, interior padding,
 #: ranks of only padding (at world 4 and 6 the long padding run fills whole ranks)
@@ -253,3 +253,60 @@ def test_auto_degree_picks_the_cheapest_scheme_in_bytes():
     assert one_doc.degree > 1  # one long document: head parallelism moves less
     assert short.degree == 1  # documents inside ranks: nothing crosses, Ulysses would move q, k, v, o
     assert "u=1" in short.reason
+
+
+def auto_replicas_worker(rank, world):
+    """dp 2 x cp 4 under ulysses_degree="auto": replica 0's row picks u = 2 (it makes sub-groups), replica 1's
+    short documents u = 1 (none); afterwards ranks of different replicas can still make a group together."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from blockdiag_cp import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "cp"))
+    replica = mesh.get_local_rank("dp")
+    segments = (200, -40, 240) if replica == 0 else (6,) * 80
+    ids = doc_ids_from_lengths(segments).unsqueeze(0)
+    x = torch.randn(1, ids.shape[1], 3 * 8 * 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    config = CPConfig(ulysses_degree="auto", attention_heads=(8, 8), layout="balanced")
+    ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh["cp"], None, {"inputs_embeds": x, "_packed_seq_ids": ids},
+                                                 config=config)
+    q, k, v = (t.reshape(1, t.shape[1], 8, 4).transpose(1, 2) for t in batch["inputs_embeds"].split(32, -1))
+    with ctx() as state:
+        cp_blockdiag_sdpa(q, k, v).sum().backward()
+    pair = dist.new_group([rank % 4, rank % 4 + 4], use_local_synchronization=True)  # one rank of each replica
+    total = torch.ones(1)
+    dist.all_reduce(total, group=pair)
+    return replica, state.exchange_reason, float(total)
+
+
+def test_auto_degree_differing_between_replicas_keeps_later_groups_working():
+    for replica, reason, total in spawn(auto_replicas_worker, 8, timeout=300):
+        assert total == 2.0
+        assert reason.startswith("ulysses_degree=2 (auto" if replica == 0 else "ulysses_degree=1 (auto"), reason
+
+
+def flaky_worker(rank, world, fail):
+    if fail and rank == 1:
+        raise ValueError("planned failure")
+    return ("task", fail, rank)
+
+
+def test_a_failed_pool_task_does_not_shift_the_next_tasks_results():
+    from blockdiag_cp.testing import RankPool
+
+    with RankPool(2) as pool:
+        with pytest.raises(RuntimeError, match="planned failure"):
+            pool.run(flaky_worker, True)
+        assert pool.run(flaky_worker, False) == [("task", False, 0), ("task", False, 1)]
+        assert not pool.broken
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"attention_heads": (0, 1)}, "must be >= 1"),
+    ({"attention_heads": (-8, 2)}, "must be >= 1"),
+    ({"ulysses_degree": 3, "attention_heads": (8, 2)}, "8 query heads, not divisible by 3"),
+])
+def test_head_counts_are_checked_where_they_enter(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CPConfig(**kwargs)

@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 from .config import CPConfig
-from .cost import choose_ulysses_degree
+from .cost import candidate_degrees, choose_ulysses_degree
 from .doc_ids import resolve_doc_ids
 from .errors import CPTypeError
-from .groups import HeadGroups, head_groups
+from .groups import HeadGroups, head_groups, make_head_groups
 from .agree import agree_across_ranks
 from .layout import ShardPlan
 from .rows import ROW_METADATA
@@ -119,6 +119,8 @@ def step_head_groups(doc_ids_S: torch.Tensor, world: int, rank: int, group: Any,
     the degree of the fewest bytes per rank (`cost.choose_ulysses_degree`), its groups made once."""
     if config.ulysses_degree != "auto":
         return head_groups(group, world, rank, config.ulysses_degree)
+    # every candidate's groups first, whatever this row picks: the same groups on every dp replica
+    make_head_groups(group, world, rank, candidate_degrees(world, config.attention_heads[0]))
     choice = choose_ulysses_degree(doc_ids_S, world, config)
     return head_groups(group, world, rank, choice.degree, choice.reason)
 

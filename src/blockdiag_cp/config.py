@@ -74,6 +74,10 @@ class CPConfig:
         if window is not None and window < 1:
             raise ValueError(f"balance_window must be >= 1, got {window}")
         _check_ulysses(self.ulysses_degree, self.attention_heads)
+        heads, degree = self.attention_heads, self.ulysses_degree
+        if heads is not None and isinstance(degree, int) and heads[0] % degree:
+            raise ValueError(f"ulysses_degree={degree} splits the query heads: attention_heads={heads} has "
+                             f"{heads[0]} query heads, not divisible by {degree}")
 
     def ulysses_problem(self, world: int) -> Optional[ValueError]:
         """Why `ulysses_degree` cannot split a CP group of `world` ranks (None if it can)."""
@@ -97,5 +101,5 @@ def _check_ulysses(degree: object, heads: object) -> None:
     if (not isinstance(heads, tuple) or len(heads) != 2
             or not all(isinstance(h, int) and not isinstance(h, bool) for h in heads)):
         raise CPTypeError(f"attention_heads must be a tuple (query heads, K/V heads) of ints, got {heads!r}")
-    if heads[1] < 1 or heads[0] % heads[1]:
-        raise ValueError(f"attention_heads={heads}: K/V heads must be >= 1 and divide the query heads")
+    if heads[0] < 1 or heads[1] < 1 or heads[0] % heads[1]:
+        raise ValueError(f"attention_heads={heads}: head counts must be >= 1 and K/V heads divide the query heads")

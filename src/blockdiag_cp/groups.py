@@ -10,15 +10,23 @@ rendezvous, an NCCL communicator), so each is made on first use and kept for the
 life of the process in `SUBGROUPS`, keyed by its global ranks: the one mutable
 module-level object besides the step slot. Only the members take part in making a
 group (``use_local_synchronization``), and every rank makes its head-parallel group
-before its cross group, so no two ranks wait on each other in a cycle.
+before its cross group, so no two ranks wait on each other in a cycle. Under
+``ulysses_degree="auto"`` the degree depends on the row, so the first step makes the
+groups of every candidate degree, in a fixed order: every rank of every data-parallel
+replica then makes the same number of groups at the same time (torch names a group
+made this way after the count of groups its process made before). A new NCCL cross
+group runs one all-reduce when made, so that the first operation on it is a
+collective, not a point-to-point send of a windowed layer. When ``u`` is the whole CP
+group, the head-parallel group is the CP group itself.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
+import torch
 import torch.distributed as dist
 
 
@@ -57,12 +65,15 @@ class SubgroupCache:
         self._lock = threading.Lock()
 
     def get(self, global_ranks: tuple[int, ...], backend: Optional[str]) -> Any:
+        key = (global_ranks, str(backend))
         with self._lock:
-            if global_ranks not in self._groups:
-                self._groups[global_ranks] = dist.new_group(
-                    list(global_ranks), backend=backend, use_local_synchronization=True
-                )
-            return self._groups[global_ranks]
+            if key not in self._groups:
+                made = dist.new_group(list(global_ranks), backend=backend, use_local_synchronization=True)
+                if "nccl" in str(backend):  # the first operation on a new NCCL communicator: a collective
+                    dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())),
+                                    group=made)
+                self._groups[key] = made
+            return self._groups[key]
 
 
 SUBGROUPS = SubgroupCache()
@@ -79,6 +90,12 @@ def head_groups(group: Any, world: int, rank: int, degree: int, reason: str = "r
     backend = dist.get_backend(group)
     heads = tuple(global_ranks[place.index * degree + m] for m in range(degree))
     cross = tuple(global_ranks[g * degree + place.member] for g in range(world // degree))
-    heads_group = SUBGROUPS.get(heads, backend)
+    heads_group = group if degree == world else SUBGROUPS.get(heads, backend)
     cross_group = SUBGROUPS.get(cross, backend) if len(cross) > 1 else None
     return HeadGroups(degree, place.member, place.index, heads_group, cross_group, reason)
+
+
+def make_head_groups(group: Any, world: int, rank: int, degrees: Iterable[int]) -> None:
+    """Make the groups of every degree in `degrees` now, in that order (Note [Sub-groups made once])."""
+    for degree in sorted(set(degrees)):
+        head_groups(group, world, rank, degree)

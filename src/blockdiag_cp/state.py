@@ -217,11 +217,13 @@ def build_step_state(
     fallbacks = fallback_kernels(config.kernel, kernel, device)
     exchange, exchange_reason = route_exchange(config.kv_exchange, geometry, rank, group, (kernel, *fallbacks),
                                                device, None, head_parallel)
-    p2p_group = group if head_parallel is None else head_parallel.groups.cross_group
-    if p2p_group is not None and exchange.uses_p2p and dist.get_backend(p2p_group) == "nccl" and (
-            head_parallel is not None or not config.check_ranks_agree):
-        # NCCL: point-to-point must not be the first operation on a communicator
-        dist.all_reduce(torch.zeros(1, device=device), group=p2p_group)
+    if heads is not None and heads.degree == 1 and heads.reason != "requested":
+        exchange_reason = f"ulysses_degree=1 ({heads.reason}); {exchange_reason}"
+    if (head_parallel is None and group is not None and exchange.uses_p2p and not config.check_ranks_agree
+            and "nccl" in str(dist.get_backend(group))):
+        # NCCL: point-to-point must not be the first operation on a communicator (the ranks-agree
+        # check is one otherwise; head-parallel cross groups are warmed when they are made)
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
     logger.debug(
         "blockdiag-cp step: rank %d/%d layout=%s exchange=%s (%s) kernel=%s (%s)",
         rank, world, plan.layout, exchange.name, exchange_reason, kernel.name, kernel_reason,

@@ -290,11 +290,11 @@ def _pool_worker(rank: int, world: int, init_file: str, tasks, results) -> None:
             task = tasks.get()
             if task is None:
                 break
-            fn, args = task
+            task_id, fn, args = task
             try:
-                results.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
+                results.put((task_id, rank, "ok", pickle.dumps(fn(rank, world, *args))))
             except BaseException:  # report, keep serving: the parent decides
-                results.put((rank, "error", traceback.format_exc()))
+                results.put((task_id, rank, "error", traceback.format_exc()))
     finally:
         dist.destroy_process_group()
 
@@ -303,12 +303,17 @@ class RankPool:
     """`world` long-lived gloo ranks; ``pool.run(fn, *args)`` runs ``fn(rank, world, *args)`` on all.
 
     Saves the process start-up per task, so hundreds of small parity checks stay fast.
-    Use as a context manager.
+    Use as a context manager. Every task waits for all ranks' replies (replies of an
+    earlier task are discarded by id), so one failing task cannot shift the next one's
+    results; a rank that dies or a task that outlives `timeout` marks the pool `broken`
+    (its ranks may sit in an unmatched collective): make a new one.
     """
 
     def __init__(self, world: int, timeout: float = 300.0) -> None:
         ctx = mp.get_context("spawn")
         self.world, self.timeout = world, timeout
+        self.broken = False
+        self._task_id = 0
         self._tmp = tempfile.TemporaryDirectory()
         self._tasks = [ctx.Queue() for _ in range(world)]
         self._results = ctx.Queue()
@@ -321,10 +326,39 @@ class RankPool:
             p.start()
 
     def run(self, fn: Callable, *args: Any) -> list[Any]:
+        if self.broken:
+            raise RuntimeError("this RankPool is broken (a rank died or hung); make a new one")
+        self._task_id += 1
         for q in self._tasks:
-            q.put((fn, args))
-        collected = _collect(self._results, self._procs, self.world, self.timeout)
-        return [collected[r] for r in range(self.world)]
+            q.put((self._task_id, fn, args))
+        replies = self._replies(self._task_id)
+        failed = [(rank, payload) for rank, (status, payload) in sorted(replies.items()) if status == "error"]
+        if failed:
+            raise RuntimeError(f"rank {failed[0][0]} failed:\n{failed[0][1]}")
+        return [pickle.loads(replies[r][1]) for r in range(self.world)]
+
+    def _replies(self, task_id: int) -> dict[int, tuple[str, Any]]:
+        """Every rank's ``(status, payload)`` for `task_id`; a death or a timeout breaks the pool."""
+        import time
+
+        replies: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + self.timeout
+        while len(replies) < self.world:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.broken = True
+                raise RuntimeError(f"pool ranks did not finish within {self.timeout:.0f}s (hang?); got {sorted(replies)}")
+            try:
+                got_id, rank, status, payload = self._results.get(timeout=min(remaining, 1.0))
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(self._procs) if p.exitcode is not None and r not in replies]
+                if dead:
+                    self.broken = True
+                    raise RuntimeError(f"pool rank(s) {dead} died (exit codes {[self._procs[r].exitcode for r in dead]})")
+                continue
+            if got_id == task_id:
+                replies[rank] = (status, payload)
+        return replies
 
     def close(self) -> None:
         for q in self._tasks:
