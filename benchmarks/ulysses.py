@@ -7,7 +7,9 @@
    around one attention forward+backward; time: the slowest rank's median of 3.
 2. Planned (`blockdiag-cp plan`'s cost model, no run) at cp 8, 16, 32 and 64, 8 ranks per
    node, 128k tokens per rank, bf16, 32 / 8 heads of 128: the busiest rank's bytes of each
-   scheme and where ``auto`` lands against the cheapest (goal: within 1.05x on every row).
+   scheme, where ``auto`` lands against the cheapest (goal: within 1.05x on every row), and
+   the inter-node bytes and predicted time per layer (400 / 50 GB/s intra / inter links,
+   400 TFLOP/s attention) of needed-only and of auto's choice.
 
 Writes docs/bench_ulysses.md.
 
@@ -86,16 +88,18 @@ def measured() -> list[str]:
 
 
 def planned() -> tuple[list[str], float]:
-    heads, per_rank = (32, 8), 131072
-    lines = ["| row | cp | needed-only MB | best hybrid MB (u) | ulysses MB | auto picks | auto / cheapest |",
-             "|---|---|---|---|---|---|---|"]
+    heads, per_rank, node = (32, 8), 131072, 8
+    lines = ["| row | cp | needed-only MB | best hybrid MB (u) | ulysses MB | auto picks | auto / cheapest | "
+             "inter-node MB: needed-only / auto | predicted ms/layer: needed-only / auto |",
+             "|---|---|---|---|---|---|---|---|---|"]
     worst = 0.0
     for world in (8, 16, 32, 64):
         seq = per_rank * world
         for name, spec in ROWS.items():
             ids = doc_ids_from_lengths(doc_lengths(spec, seq))
             plan = make_plan(ids, world, "balanced")
-            costs = {u: scheme_cost(plan, ids, u, heads, 128, 2) for u in candidate_degrees(world, heads[0])}
+            costs = {u: scheme_cost(plan, ids, u, heads, 128, 2, gpus_per_node=node)
+                     for u in candidate_degrees(world, heads[0])}
             choice = pick_degree(list(costs.values()))  # what ulysses_degree="auto" computes
             cheapest = min(c.max_sent for c in costs.values())
             ratio = costs[choice.degree].max_sent / cheapest
@@ -104,8 +108,11 @@ def planned() -> tuple[list[str], float]:
             u_best = min(hybrids, key=lambda u: hybrids[u].max_sent) if hybrids else None
             hybrid = f"{hybrids[u_best].max_sent / 1e6:.1f} ({u_best})" if u_best else "-"
             ulysses = f"{costs[world].max_sent / 1e6:.1f}" if world in costs else "n/a (32 heads)"
+            inter = [float((c.ulysses_inter + c.kv_inter).max()) / 1e6 for c in (costs[1], costs[choice.degree])]
+            ms = [float(c.seconds(400.0, 50.0, 128, 400.0).max()) * 1e3 for c in (costs[1], costs[choice.degree])]
             lines.append(f"| {name} | {world} | {costs[1].max_sent / 1e6:.1f} | {hybrid} | {ulysses} | "
-                         f"u={choice.degree} | {ratio:.3f} |")
+                         f"u={choice.degree} | {ratio:.3f} | {inter[0]:.0f} / {inter[1]:.0f} | "
+                         f"{ms[0]:.0f} / {ms[1]:.0f} |")
     return lines, worst
 
 
@@ -117,7 +124,8 @@ def main() -> int:
     text = "\n".join([
         "# Head-parallel (Ulysses) and hybrid CP (`python benchmarks/ulysses.py`)", "",
         "## Measured on gloo", "", *part1, "",
-        "## Planned (the cost model of `blockdiag-cp plan`, 128k tokens per rank, bf16, 32/8 heads of 128)", "",
+        "## Planned (the cost model of `blockdiag-cp plan`, 128k tokens per rank, bf16, 32/8 heads of 128, "
+        "8 ranks per node; links 400 / 50 GB/s, attention 400 TFLOP/s)", "",
         *part2, "", f"auto within {worst:.3f}x of the cheapest scheme in bytes on every planned row (goal 1.05).",
         f"\n{time.perf_counter() - t0:.0f} s",
     ])
