@@ -61,7 +61,7 @@ class SubgroupCache:
     """Process groups keyed by their global ranks, made on first use (Note [Sub-groups made once])."""
 
     def __init__(self) -> None:
-        self._groups: dict[tuple[int, ...], Any] = {}
+        self._groups: dict[tuple[tuple[int, ...], str], Any] = {}  # (global ranks, backend) -> group
         self._lock = threading.Lock()
 
     def get(self, global_ranks: tuple[int, ...], backend: Optional[str]) -> Any:
