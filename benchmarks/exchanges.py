@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from blockdiag_cp.tools.bench import BenchSpec, doc_lengths, limit_seconds
+from blockdiag_cp.tools.bench import BenchSpec, bytes_written, doc_lengths, limit_seconds
 from blockdiag_cp.testing import doc_ids_from_lengths, spawn
 
 S, H, HK, D = 8192, 8, 8, 64
@@ -32,11 +32,6 @@ ROWS = {
     "one doc over all ranks": doc_lengths("one", S),
     "mixed lengths": doc_lengths("mixed", S, seed=3),
 }
-
-
-def _wchar() -> int:
-    with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("wchar"))
 
 
 def worker(rank, world, segments, layout, repeats=3):
@@ -59,9 +54,9 @@ def worker(rank, world, segments, layout, repeats=3):
                        for t in batch["inputs_embeds"].split([H * D, HK * D, HK * D], -1))
             dist.barrier()
             with ctx() as state:
-                t0, w0 = time.perf_counter(), _wchar()
+                t0, w0 = time.perf_counter(), bytes_written()
                 cp_blockdiag_sdpa(q, k, v).square().mean().backward()
-                w1 = _wchar()
+                w1 = bytes_written()
                 dist.barrier()
                 t1 = time.perf_counter()
             if i:

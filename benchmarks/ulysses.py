@@ -29,16 +29,11 @@ from blockdiag_cp import CPConfig
 from blockdiag_cp.cost import candidate_degrees, pick_degree, scheme_cost
 from blockdiag_cp.layout import make_plan
 from blockdiag_cp.testing import doc_ids_from_lengths, spawn
-from blockdiag_cp.tools.bench import doc_lengths
+from blockdiag_cp.tools.bench import bytes_written, doc_lengths
 
 S, WORLD, H, HK, D = 8192, 4, 8, 2, 64
 DEGREES = (1, 2, 4, "auto")
 ROWS = {"one long document": "one", "300 power-law docs": "powerlaw:300", "many short docs": "uniform:61"}
-
-
-def _wchar() -> int:
-    with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("wchar"))
 
 
 def worker(rank, world, segments, repeats=3):
@@ -62,9 +57,9 @@ def worker(rank, world, segments, repeats=3):
                        for t in batch["inputs_embeds"].split([H * D, HK * D, HK * D], -1))
             with ctx() as state:
                 dist.barrier()
-                before, t0 = _wchar(), time.perf_counter()
+                before, t0 = bytes_written(), time.perf_counter()
                 cp_blockdiag_sdpa(q, k, v, enable_gqa=True).square().sum().backward()
-                elapsed, written = time.perf_counter() - t0, _wchar() - before
+                elapsed, written = time.perf_counter() - t0, bytes_written() - before
             if i:  # the first run agrees the call signature (one small all-gather): not timed
                 times.append(elapsed)
                 sent.append(written)

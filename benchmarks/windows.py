@@ -19,16 +19,11 @@ import time
 import torch
 
 from blockdiag_cp.testing import doc_ids_from_lengths, spawn
-from blockdiag_cp.tools.bench import doc_lengths
+from blockdiag_cp.tools.bench import bytes_written, doc_lengths
 
 S, H, D = 32768, 8, 64
 ROWS = {"one document": doc_lengths("one", S), "300 power-law docs": doc_lengths("powerlaw:300", S)}
 WINDOWS = (None, 4096, 512)
-
-
-def _wchar() -> int:
-    with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("wchar"))
 
 
 def worker(rank, world, segments, layout):
@@ -47,9 +42,9 @@ def worker(rank, world, segments, layout):
         q, k, v = (t.reshape(1, t.shape[1], H, D).transpose(1, 2) for t in batch["inputs_embeds"].split(H * D, -1))
         dist.barrier()
         with ctx() as state:
-            t0, w0 = time.perf_counter(), _wchar()
+            t0, w0 = time.perf_counter(), bytes_written()
             cp_blockdiag_sdpa(q, k, v, sliding_window=window).square().mean().backward()
-            sent = _wchar() - w0
+            sent = bytes_written() - w0
             dist.barrier()
             seconds = time.perf_counter() - t0
         geometry, mine = state.geometry, state.geometry.owner == rank

@@ -1,6 +1,8 @@
 """Packed rows shared by the multi-process tests: (name, segments). n > 0: a document of
 n tokens; -n: n padding tokens."""
 
+import torch
+
 from blockdiag_cp.testing import ParityCase
 
 SCENARIOS = {
@@ -40,3 +42,14 @@ def matrix_cases(world=None):
             cases.append(ParityCase(SCENARIOS["straddle"], heads=8, kv_heads=2, kv_exchange=exchange,
                                     kernel="sdpa", checkpoint=mode, seed=99))
     return cases
+
+
+def minimum_rows(geometry, rank, window=None):
+    """The needed-only minimum of K/V rows `rank` sends per layer (under `window`). Forward: rows
+    it owns that others need; backward: the gradients of rows it received."""
+    owner = geometry.owner
+    mine = owner == rank
+    need = geometry.need_at(torch.arange(owner.numel()), window)  # checked against a brute force in test_geometry
+    others_need = sum(int((need[j] & mine).sum()) for j in range(geometry.world) if j != rank)
+    i_received = int((need[rank] & ~mine).sum())
+    return others_need + i_received

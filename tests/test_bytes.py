@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from blockdiag_cp.testing import doc_ids_from_lengths
+from blockdiag_cp.tools.bench import bytes_written
+from scenarios import minimum_rows
 
 HK, D = 4, 64
 ROW_BYTES = 2 * HK * D * 4  # K and V of one token, float32
@@ -14,21 +16,6 @@ LAYOUTS = {
     "one_doc": (3750,),
     "mixed": (1200, 40, 70, 900, 10, 600, 880, 50),
 }
-
-
-def minimum_rows(geometry, rank, window=None):
-    """Forward: rows I own that others need; backward: the gradients of rows I received (under `window`)."""
-    owner = geometry.owner
-    mine = owner == rank
-    need = geometry.need_at(torch.arange(owner.numel()), window)  # checked against a brute force in test_geometry
-    others_need = sum(int((need[j] & mine).sum()) for j in range(geometry.world) if j != rank)
-    i_received = int((need[rank] & ~mine).sum())
-    return others_need + i_received
-
-
-def wchar():
-    with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("wchar"))
 
 
 def meter_worker(rank, world, segments, exchanges, layout, window=None):
@@ -49,10 +36,10 @@ def meter_worker(rank, world, segments, exchanges, layout, window=None):
         q, k, v = (t.reshape(1, t.shape[1], HK, D).transpose(1, 2) for t in batch["inputs_embeds"].split(HK * D, -1))
         dist.barrier()
         with train_ctx() as state:
-            before = wchar()
+            before = bytes_written()
             out = cp_blockdiag_sdpa(q, k, v, sliding_window=window)
             out.sum().backward()
-            sent = wchar() - before
+            sent = bytes_written() - before
         dist.barrier()
         routed = state.exchange_for(window)
         t = routed.traffic

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from blockdiag_cp import CPConfig
 from blockdiag_cp.testing import ParityCase, doc_ids_from_lengths, parity_worker, spawn
+from blockdiag_cp.tools.bench import bytes_written
+from scenarios import minimum_rows
 
 #: straddling documents, one document over all ranks, tiny documents, interior padding,
 #: ranks of only padding (at world 4 and 6 the long padding run fills whole ranks)
@@ -150,18 +152,13 @@ def meter_worker(rank, world, segments, runs):
         with ctx() as state:
             cp_blockdiag_sdpa(q, k, v, enable_gqa=True)  # first call: the call-signature agreement
             dist.barrier()
-            before = wchar()
+            before = bytes_written()
             cp_blockdiag_sdpa(q, k, v, enable_gqa=True).sum().backward()
-            sent = wchar() - before
+            sent = bytes_written() - before
         dist.barrier()
         out[degree, exchange, layout] = {"sent": sent, "exchange": state.exchange.name,
                                          "kv_minimum": kv_minimum_bytes(state)}
     return out
-
-
-def wchar():
-    with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("wchar"))
 
 
 def kv_minimum_bytes(state):
@@ -171,10 +168,7 @@ def kv_minimum_bytes(state):
     me = state.rank if state.heads is None else state.heads.groups.index
     degree = 1 if state.heads is None else state.heads.groups.degree
     kv_heads = KV_HEADS * (degree // math.gcd(KV_HEADS, degree)) // degree
-    need = geometry.need_WS
-    mine = geometry.owner == me
-    rows = sum(int((need[j] & mine).sum()) for j in range(geometry.world) if j != me) + int((need[me] & ~mine).sum())
-    return rows * 2 * kv_heads * D * 4
+    return minimum_rows(geometry, me) * 2 * kv_heads * D * 4
 
 
 def ulysses_minimum_bytes(degree, local_len):
