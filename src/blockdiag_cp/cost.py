@@ -25,13 +25,13 @@ busiest rank (ties: the least work on the busiest rank, then the smaller degree)
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from .config import CPConfig
+from .exchange.ulysses import split_kv_heads, ulysses_peer_elements
 from .geometry import StepGeometry
 from .layout import ShardPlan, attention_work, make_plan, merge_consecutive_ranks
 
@@ -91,8 +91,7 @@ def scheme_cost(
     H, Hk = heads
     W, L = plan.world, plan.local_len
     node = torch.arange(W) // (gpus_per_node or W)
-    kv_heads = Hk * (degree // math.gcd(Hk, degree)) // degree  # K/V heads per rank after the split
-    row_bytes = 2 * kv_heads * head_dim * element_size
+    row_bytes = 2 * split_kv_heads(Hk, degree) * head_dim * element_size
     group_plan = plan if degree == 1 else merge_consecutive_ranks(plan, degree)[0]
     geometry = StepGeometry.build(group_plan, doc_ids_S)
     kv_intra, kv_inter = torch.zeros(W, dtype=torch.float64), torch.zeros(W, dtype=torch.float64)
@@ -128,8 +127,7 @@ def _ulysses_bytes(W: int, L: int, degree: int, H: int, Hk: int, elem_bytes: int
     intra, inter = torch.zeros(W, dtype=torch.float64), torch.zeros(W, dtype=torch.float64)
     if degree == 1:
         return intra, inter
-    kv = Hk * (degree // math.gcd(Hk, degree))
-    per_peer = 2 * L * elem_bytes * (2 * H + 2 * kv) / degree  # forward + backward, to one other member
+    per_peer = 2 * ulysses_peer_elements(degree, L, H, Hk, 1) * elem_bytes  # forward + backward, to one member
     for rank in range(W):
         first = rank - rank % degree
         for peer in range(first, first + degree):

@@ -8,7 +8,6 @@ makes a state the active one is in slot.py.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -18,7 +17,7 @@ import torch.distributed as dist
 
 from .config import CPConfig
 from .exchange import ExchangeSetup, KVExchange, Traffic, build_exchange
-from .exchange.ulysses import HeadSplit, UlyssesExchange, ulysses_elements
+from .exchange.ulysses import HeadSplit, UlyssesExchange, split_kv_heads, ulysses_elements
 from .geometry import StepGeometry
 from .groups import HeadGroups
 from .kernels import AttentionKernel, fallback_kernels, select_kernel
@@ -177,7 +176,7 @@ class StepState:
         between ranks, or between head-parallel groups), each as sent/received, forward/backward."""
         size = torch.empty(0, dtype=dtype).element_size()
         degree = 1 if self.heads is None else self.heads.groups.degree
-        kv_per_rank = kv_heads * (degree // math.gcd(kv_heads, degree)) // degree
+        kv_per_rank = split_kv_heads(kv_heads, degree)
         moved = ulysses_elements(degree, self.local_len, heads, kv_heads, head_dim) * size
         return {
             "ulysses": dict.fromkeys(("sent_fwd", "recv_fwd", "sent_bwd", "recv_bwd"), moved),

@@ -75,10 +75,20 @@ class HeadSplit:
         return None
 
 
+def split_kv_heads(kv_heads: int, degree: int) -> int:
+    """K/V heads each rank holds after the head split: ``Hk' / u`` with ``Hk' = lcm(Hk, u)``."""
+    return kv_heads * (degree // math.gcd(kv_heads, degree)) // degree
+
+
+def ulysses_peer_elements(degree: int, local_len: int, heads: int, kv_heads: int, head_dim: int) -> int:
+    """Elements one rank sends each other member of its group per attention call, forward (as many
+    backward): its ``L`` tokens' q, k, v for that member's heads, and that member's output rows back."""
+    return local_len * head_dim * (2 * heads // degree + 2 * split_kv_heads(kv_heads, degree))
+
+
 def ulysses_elements(degree: int, local_len: int, heads: int, kv_heads: int, head_dim: int) -> int:
     """Elements one rank sends in the all-to-alls of one attention call, forward (the same backward)."""
-    kv = kv_heads * (degree // math.gcd(kv_heads, degree))
-    return (degree - 1) * local_len * head_dim * (2 * heads + 2 * kv) // degree
+    return (degree - 1) * ulysses_peer_elements(degree, local_len, heads, kv_heads, head_dim)
 
 
 class UlyssesExchange(KVExchange):
