@@ -16,12 +16,11 @@ the logged losses must agree.
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
+from launch import finish, start_dp_cp
 from torch.distributed.fsdp import fully_shard
 
 import blockdiag_cp.hf  # noqa: F401  registers attn_implementation="blockdiag_cp"
@@ -77,16 +76,8 @@ def shard_model(model, mesh) -> None:
 
 def main() -> None:
     args = parse_args()
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    mesh, device = start_dp_cp(args.dp, args.cp)
     world = dist.get_world_size()
-    cp = args.cp or world // args.dp
-    if args.dp * cp != world:
-        raise SystemExit(f"--dp {args.dp} x --cp {cp} must equal the world size {world}")
-    device = torch.device("cuda" if cuda else "cpu")
-    mesh = init_device_mesh(device.type, (args.dp, cp), mesh_dim_names=("dp", "cp"))
     dp_rank = mesh.get_local_rank("dp")
 
     model = make_model("blockdiag_cp", torch.float32).to(device)
@@ -114,8 +105,7 @@ def main() -> None:
             print(f"step {step + 1}/{args.steps}  loss {value.item():.6f}  exchange={state.exchange.name} "
                   f"kernel={state.kernel.name}  cp work max/mean {work.max().item() / work.float().mean().item():.3f}",
                   flush=True)
-    dist.barrier()  # every rank is past its last collective before the group is torn down
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

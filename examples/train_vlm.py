@@ -22,13 +22,12 @@ run alone): the logged losses must agree.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
+from launch import finish, start_dp_cp
 
 IMAGE, VIDEO, V_START, V_END = 60, 61, 62, 63
 CLASSES = 8  # answer tokens 1..8 name the class
@@ -143,16 +142,7 @@ def main(argv=None) -> None:
     from blockdiag_cp.loss import add_shift_labels, token_mean_loss
 
     args = parse_args(argv)
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    world = dist.get_world_size()
-    cp = args.cp or world // args.dp
-    if args.dp * cp != world:
-        raise SystemExit(f"--dp {args.dp} x --cp {cp} must equal the world size {world}")
-    device = torch.device("cuda" if cuda else "cpu")
-    mesh = init_device_mesh(device.type, (args.dp, cp), mesh_dim_names=("dp", "cp"))
+    mesh, device = start_dp_cp(args.dp, args.cp)
 
     model = tiny_vlm(args.family, "blockdiag_cp").to(device)
     model.train()
@@ -179,8 +169,7 @@ def main(argv=None) -> None:
             print(f"step {step + 1}/{args.steps}  loss {value.item():.6f}  "
                   f"vision patches per cp rank {vision['patches_per_rank']}  "
                   f"GFLOPs {[round(f / 1e9, 3) for f in vision['flops_per_rank']]}", flush=True)
-    dist.barrier()  # every rank is past its last collective before the group is torn down
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

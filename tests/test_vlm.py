@@ -230,6 +230,7 @@ def test_vlm_example_under_torchrun_equals_the_single_process_run():
     import sys
 
     root = pathlib.Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root / "examples"))  # the examples share launch.py
     spec = importlib.util.spec_from_file_location("train_vlm", root / "examples" / "train_vlm.py")
     train_vlm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train_vlm)
