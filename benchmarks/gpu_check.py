@@ -136,6 +136,19 @@ def timed(fn: Callable[[], None], device: str, repeats: int = 3) -> float:
     return best
 
 
+def rank_tensors(items, scale: Scale, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Random leaf ``q [H, L, D]``, ``k``/``v`` ``[HK, N, D]`` for one rank's `items`."""
+    q = torch.randn(scale.H, items.num_q_rows, scale.D, device=device, dtype=scale.dtype, requires_grad=True)
+    k, v = (torch.randn(scale.HK, items.num_k_rows, scale.D, device=device, dtype=scale.dtype, requires_grad=True)
+            for _ in range(2))
+    return q, k, v
+
+
+def attend_backward(kernel, calls, q, k, v, scale: Scale) -> None:
+    """One rank's local attention, forward and backward."""
+    kernel.attend(calls, q, k, v, scale.D ** -0.5, 0.0).float().square().mean().backward()
+
+
 def rank_seconds(kernel_name: str, segments: list[int], scale: Scale) -> tuple[float, int]:
     """The slowest rank's local attention fwd+bwd (seconds), and the pairs computed over all ranks."""
     device = torch.device(scale.device)
@@ -147,12 +160,10 @@ def rank_seconds(kernel_name: str, segments: list[int], scale: Scale) -> tuple[f
         items = items_over_buffer(geometry.pieces(rank), geometry.needed_positions(rank), geometry.plan.local_len)
         calls = kernel.prepare(items, device)
         pairs += items.pairs()
-        q = torch.randn(scale.H, items.num_q_rows, scale.D, device=device, dtype=scale.dtype, requires_grad=True)
-        k, v = (torch.randn(scale.HK, items.num_k_rows, scale.D, device=device, dtype=scale.dtype,
-                            requires_grad=True) for _ in range(2))
+        q, k, v = rank_tensors(items, scale, device)
 
         def step():
-            kernel.attend(calls, q, k, v, scale.D ** -0.5, 0.0).float().square().mean().backward()
+            attend_backward(kernel, calls, q, k, v, scale)
 
         worst = max(worst, timed(step, scale.device))
     return worst, pairs
@@ -232,10 +243,7 @@ def changing_rows(scale: Scale, steps: int = 6) -> None:
             t0 = time.perf_counter()
             items = items_over_buffer(geometry.pieces(0), geometry.needed_positions(0), geometry.plan.local_len)
             calls = kernel.prepare(items, device)
-            q = torch.randn(scale.H, items.num_q_rows, scale.D, device=device, dtype=scale.dtype, requires_grad=True)
-            k, v = (torch.randn(scale.HK, items.num_k_rows, scale.D, device=device, dtype=scale.dtype,
-                                requires_grad=True) for _ in range(2))
-            kernel.attend(calls, q, k, v, scale.D ** -0.5, 0.0).float().square().mean().backward()
+            attend_backward(kernel, calls, *rank_tensors(items, scale, device), scale)
             synchronize(scale.device)
             times.append(time.perf_counter() - t0)
         emit(f"| {kernel_name} | {' / '.join(f'{t * 1e3:.0f}' for t in times)} |")
