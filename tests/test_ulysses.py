@@ -296,6 +296,26 @@ def test_a_failed_pool_task_does_not_shift_the_next_tasks_results():
         assert not pool.broken
 
 
+def stranded_worker(rank, world):
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise ValueError("planned failure")
+    dist.barrier()  # rank 1 never joins
+
+
+def test_a_failure_that_strands_the_other_ranks_is_reported_within_the_grace():
+    import time
+
+    from blockdiag_cp.testing import RankPool
+
+    with RankPool(2, timeout=300, failure_grace=2) as pool:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="planned failure"):
+            pool.run(stranded_worker)
+        assert time.monotonic() - t0 < 60 and pool.broken
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"attention_heads": (0, 1)}, "must be >= 1"),
     ({"attention_heads": (-8, 2)}, "must be >= 1"),

@@ -309,9 +309,9 @@ class RankPool:
     (its ranks may sit in an unmatched collective): make a new one.
     """
 
-    def __init__(self, world: int, timeout: float = 300.0) -> None:
+    def __init__(self, world: int, timeout: float = 300.0, failure_grace: float = 30.0) -> None:
         ctx = mp.get_context("spawn")
-        self.world, self.timeout = world, timeout
+        self.world, self.timeout, self.failure_grace = world, timeout, failure_grace
         self.broken = False
         self._task_id = 0
         self._tmp = tempfile.TemporaryDirectory()
@@ -338,7 +338,12 @@ class RankPool:
         return [pickle.loads(replies[r][1]) for r in range(self.world)]
 
     def _replies(self, task_id: int) -> dict[int, tuple[str, Any]]:
-        """Every rank's ``(status, payload)`` for `task_id`; a death or a timeout breaks the pool."""
+        """Every rank's ``(status, payload)`` for `task_id`; a death or a timeout breaks the pool.
+
+        Once a rank has failed, the others get `failure_grace` seconds more (they may wait in a
+        collective the failed rank never joined), not the whole timeout; then the failure is
+        reported and the pool is broken.
+        """
         import time
 
         replies: dict[int, tuple[str, Any]] = {}
@@ -347,6 +352,8 @@ class RankPool:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self.broken = True
+                if any(status == "error" for status, _ in replies.values()):
+                    return replies  # the caller reports the failure
                 raise RuntimeError(f"pool ranks did not finish within {self.timeout:.0f}s (hang?); got {sorted(replies)}")
             try:
                 got_id, rank, status, payload = self._results.get(timeout=min(remaining, 1.0))
@@ -358,6 +365,8 @@ class RankPool:
                 continue
             if got_id == task_id:
                 replies[rank] = (status, payload)
+                if status == "error":
+                    deadline = min(deadline, time.monotonic() + self.failure_grace)
         return replies
 
     def close(self) -> None:
