@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import BufferExchange, ExchangeSetup, Traffic
+from .base import BufferExchange, ExchangeSetup, Traffic, fuse_rows, unfuse_rows
 from .collectives import all_gather_rows, reduce_scatter_rows
 
 
@@ -39,16 +39,17 @@ class AllGatherExchange(BufferExchange):
         likewise. (gloo implements reduce-scatter as an all-reduce and sends twice that.)"""
         return Traffic(self._moved, self._moved, self._moved, self._moved)
 
-    def gather_rows(self, kv_L2HD: torch.Tensor) -> torch.Tensor:
-        gathered = all_gather_rows(kv_L2HD, self.group)
+    def gather_rows(self, k_LHD: torch.Tensor, v_LHD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gathered = all_gather_rows(fuse_rows(k_LHD, v_LHD), self.group)
         if self._slice is not None:
-            return gathered.narrow(0, *self._slice)
-        return gathered.index_select(0, self._index)
+            return unfuse_rows(gathered.narrow(0, *self._slice))
+        return unfuse_rows(gathered.index_select(0, self._index))
 
-    def scatter_grads(self, d_buffer_N2HD: torch.Tensor) -> torch.Tensor:
-        d_gathered = d_buffer_N2HD.new_zeros((self._world * self.local_len, *d_buffer_N2HD.shape[1:]))
-        if self._slice is not None:
-            d_gathered.narrow(0, *self._slice).copy_(d_buffer_N2HD)
-        else:
-            d_gathered.index_add_(0, self._index, d_buffer_N2HD)
-        return reduce_scatter_rows(d_gathered, self.group)
+    def scatter_grads(self, dk_NHD: torch.Tensor, dv_NHD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d_gathered = dk_NHD.new_zeros((self._world * self.local_len, 2, *dk_NHD.shape[1:]))
+        for d_half, d_rows in zip(unfuse_rows(d_gathered), (dk_NHD, dv_NHD)):
+            if self._slice is not None:
+                d_half.narrow(0, *self._slice).copy_(d_rows)
+            else:
+                d_half.index_add_(0, self._index, d_rows)
+        return unfuse_rows(reduce_scatter_rows(d_gathered, self.group))

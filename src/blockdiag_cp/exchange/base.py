@@ -19,7 +19,7 @@ import torch
 from ..errors import ensure
 from ..geometry import Pieces, StepGeometry
 from ..kernels import AttentionKernel, ItemTable
-from ..kernels.base import add_sinks, sinks_grad
+from ..kernels.base import add_sinks, inputs_for_backward, sinks_grad
 
 
 @dataclass(frozen=True)
@@ -88,14 +88,19 @@ class KVExchange(ABC):
         """
 
 
-def fuse_kv(k_HLD: torch.Tensor, v_HLD: torch.Tensor) -> torch.Tensor:
-    """``[L, 2, Hk, D]`` contiguous rows (one copy): one token's K and V, ready for one collective."""
-    return torch.stack([k_HLD.transpose(0, 1), v_HLD.transpose(0, 1)], dim=1)
+def token_major(*tensors_HXD: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``[H, X, D]`` <-> ``[X, H, D]`` views (the same storage, token rows or head rows first)."""
+    return tuple(t.transpose(0, 1) for t in tensors_HXD)
 
 
-def split_kv(kv_N2HD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[N, 2, Hk, D]`` -> ``(k [Hk, N, D], v [Hk, N, D])`` views."""
-    return kv_N2HD[:, 0].transpose(0, 1), kv_N2HD[:, 1].transpose(0, 1)
+def fuse_rows(k_XHD: torch.Tensor, v_XHD: torch.Tensor) -> torch.Tensor:
+    """``[X, 2, Hk, D]`` contiguous rows (one copy): one token's K and V, ready for one collective."""
+    return torch.stack([k_XHD, v_XHD], dim=1)
+
+
+def unfuse_rows(kv_X2HD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[X, 2, Hk, D]`` -> ``(k [X, Hk, D], v [X, Hk, D])`` views."""
+    return kv_X2HD[:, 0], kv_X2HD[:, 1]
 
 
 def items_over_buffer(
@@ -125,8 +130,10 @@ class BufferExchange(KVExchange):
     """An exchange that fills one key buffer (positions ascending) and attends once.
 
     Subclasses move rows with two plain functions (their collectives included):
-    `gather_rows` fills the buffer of `buffer_positions` from the local rows, and
-    `scatter_grads` is its adjoint. With a log-sum-exp kernel the whole layer is one
+    `gather_rows` fills the K and V buffers of `buffer_positions` from the local rows,
+    and `scatter_grads` is its adjoint. Rows are token-major ``[rows, Hk, D]`` (free
+    views of the layer's ``[Hk, L, D]``); K and V travel fused ``[rows, 2, Hk, D]``
+    only inside a collective. With a log-sum-exp kernel the whole layer is one
     autograd node (`BufferAttention`): no intermediate view gradients to zero-fill.
     """
 
@@ -139,12 +146,12 @@ class BufferExchange(KVExchange):
         )
 
     @abstractmethod
-    def gather_rows(self, kv_L2HD: torch.Tensor) -> torch.Tensor:
-        """Local rows ``[L, 2, Hk, D]`` -> key buffer ``[N, 2, Hk, D]`` (runs the forward collectives)."""
+    def gather_rows(self, k_LHD: torch.Tensor, v_LHD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local rows ``[L, Hk, D]`` -> key buffers ``(k [N, Hk, D], v [N, Hk, D])`` (runs the forward collectives)."""
 
     @abstractmethod
-    def scatter_grads(self, d_buffer_N2HD: torch.Tensor) -> torch.Tensor:
-        """The adjoint: buffer gradients ``[N, 2, Hk, D]`` -> local-row gradients ``[L, 2, Hk, D]``."""
+    def scatter_grads(self, dk_NHD: torch.Tensor, dv_NHD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The adjoint: buffer gradients ``[N, Hk, D]`` -> local-row gradients ``(dk [L, Hk, D], dv [L, Hk, D])``."""
 
     def attend(self, q_HLD, k_HLD, v_HLD, kernel, scale, dropout_p, softcap=None, sinks=None):
         calls = self.kernel_calls[kernel.name]
@@ -152,31 +159,31 @@ class BufferExchange(KVExchange):
             options = (scale, dropout_p, softcap)
             return BufferAttention.apply(q_HLD, k_HLD, v_HLD, sinks, self, kernel, calls, options)
         ensure(sinks is None, "attention sinks reached a kernel without log-sum-exp")
-        buffer = FetchRows.apply(fuse_kv(k_HLD, v_HLD), self)
-        k_buf, v_buf = split_kv(buffer)
+        k_buf, v_buf = FetchRows.apply(k_HLD, v_HLD, self)
         out = kernel.attend(calls, q_HLD, k_buf, v_buf, scale, dropout_p, softcap)
         if self.items.size == 0:
             # A rank of only padding: its zeros must still depend on q and the fetched
             # buffer, so its backward runs the exchange's collectives like every other rank.
-            out = out + 0.0 * (q_HLD.sum() + buffer.sum())
+            out = out + 0.0 * (q_HLD.sum() + k_buf.sum() + v_buf.sum())
         return out
 
 
 class FetchRows(torch.autograd.Function):
-    """Differentiable `BufferExchange.gather_rows` (for kernels whose backward is autograd's)."""
+    """Differentiable `BufferExchange.gather_rows` on ``[Hk, L, D]`` -> ``[Hk, N, D]`` (for
+    kernels whose backward is autograd's)."""
 
     @staticmethod
-    def forward(ctx, kv_L2HD: torch.Tensor, exchange: BufferExchange) -> torch.Tensor:
+    def forward(ctx, k_HLD: torch.Tensor, v_HLD: torch.Tensor, exchange: BufferExchange):
         ctx.exchange = exchange
-        return exchange.gather_rows(kv_L2HD)
+        return token_major(*exchange.gather_rows(*token_major(k_HLD, v_HLD)))
 
     @staticmethod
-    def backward(ctx, d_buffer_N2HD: torch.Tensor):
-        return ctx.exchange.scatter_grads(d_buffer_N2HD), None
+    def backward(ctx, dk_HND: torch.Tensor, dv_HND: torch.Tensor):
+        return (*token_major(*ctx.exchange.scatter_grads(*token_major(dk_HND, dv_HND))), None)
 
 
 class BufferAttention(torch.autograd.Function):
-    """One layer as one node: fuse K/V, gather the buffer, attend (then the sinks); backward mirrors it.
+    """One layer as one node: gather the K/V buffer, attend (then the sinks); backward mirrors it.
 
     Backward always runs the exchange's collectives (also on a rank of only padding),
     so every rank's backward stays matched. ``options`` is ``(scale, dropout_p, softcap)``.
@@ -184,20 +191,18 @@ class BufferAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_HLD, k_HLD, v_HLD, sinks_H, exchange: BufferExchange, kernel, calls, options):
-        buffer = exchange.gather_rows(fuse_kv(k_HLD, v_HLD))
-        k_buf, v_buf = split_kv(buffer)
-        o_HLD, lse_HL, aux = kernel.forward(calls, q_HLD, k_buf, v_buf, *options)
+        k_HND, v_HND = token_major(*exchange.gather_rows(*token_major(k_HLD, v_HLD)))
+        o_HLD, lse_HL, aux = kernel.forward(calls, q_HLD, k_HND, v_HND, *options)
         if sinks_H is not None:
             o_HLD, lse_HL = add_sinks(o_HLD, lse_HL, sinks_H)
-        ctx.save_for_backward(q_HLD, buffer, o_HLD, lse_HL, sinks_H)
+        ctx.save_for_backward(*inputs_for_backward(kernel, q_HLD, k_HND, v_HND), o_HLD, lse_HL, sinks_H)
         ctx.exchange, ctx.kernel, ctx.calls, ctx.aux, ctx.options = exchange, kernel, calls, aux, options
         return o_HLD
 
     @staticmethod
     def backward(ctx, do_HLD):
-        q, buffer, o, lse, sinks_H = ctx.saved_tensors
-        k_buf, v_buf = split_kv(buffer)
-        dq, d_buffer = ctx.kernel.backward_fused_kv(ctx.calls, do_HLD, q, k_buf, v_buf, o, lse, ctx.aux, *ctx.options)
-        dk_HLD, dv_HLD = split_kv(ctx.exchange.scatter_grads(d_buffer.to(buffer.dtype)))
+        q, k_HND, v_HND, o, lse, sinks_H = ctx.saved_tensors
+        dq, dk_HND, dv_HND = ctx.kernel.backward(ctx.calls, do_HLD, q, k_HND, v_HND, o, lse, ctx.aux, *ctx.options)
+        dk_LHD, dv_LHD = ctx.exchange.scatter_grads(*token_major(dk_HND.to(k_HND.dtype), dv_HND.to(v_HND.dtype)))
         d_sinks = None if sinks_H is None else sinks_grad(do_HLD, o, lse, sinks_H).to(sinks_H.dtype)
-        return dq, dk_HLD, dv_HLD, d_sinks, None, None, None, None
+        return dq, *token_major(dk_LHD, dv_LHD), d_sinks, None, None, None, None, None

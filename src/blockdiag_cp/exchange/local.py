@@ -21,8 +21,8 @@ class LocalExchange(BufferExchange):
     def traffic(self) -> Traffic:
         return Traffic(0, 0, 0, 0)
 
-    def gather_rows(self, kv_L2HD: torch.Tensor) -> torch.Tensor:
-        return kv_L2HD
+    def gather_rows(self, k_LHD: torch.Tensor, v_LHD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return k_LHD, v_LHD
 
-    def scatter_grads(self, d_buffer_N2HD: torch.Tensor) -> torch.Tensor:
-        return d_buffer_N2HD
+    def scatter_grads(self, dk_NHD: torch.Tensor, dv_NHD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return dk_NHD, dv_NHD

@@ -8,10 +8,13 @@ needs. Rank r then:
 
     sends    rows of its local K/V, grouped by destination rank (ascending positions)
     receives rows grouped by source rank (ascending positions)
-    buffer = cat([local rows, received rows])[assemble]   # ascending positions
+    buffer   local rows and received rows each copied once into their slots
+             (ascending positions); a slice when they form a few runs
 
-Backward reverses it: the received rows' gradients go back to their owners and are
-added to the owners' local gradients. Only the transport differs:
+K and V are fused ``[rows, 2, Hk, D]`` only for the sent rows (one collective); the
+buffers are filled from the layer's token-major K and V directly. Backward reverses
+it: the received rows' gradients go back to their owners and are added to the
+owners' local gradients. Only the transport differs:
 
     a2a    one all-to-all-v over the group (documents spanning any number of ranks)
     halo   point-to-point with the left neighbour only (valid while every rank's
@@ -22,12 +25,13 @@ added to the owners' local gradients. Only the transport differs:
 from __future__ import annotations
 
 from abc import abstractmethod
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..errors import ensure
-from .base import BufferExchange, ExchangeSetup, Traffic
+from .base import BufferExchange, ExchangeSetup, Traffic, fuse_rows, unfuse_rows
 from .collectives import all_to_all_rows, p2p_rows
 
 
@@ -45,20 +49,13 @@ class NeededOnlyExchange(BufferExchange):
         needed_by_WL = geometry.need_at(geometry.plan.positions_WL[rank], setup.window)
         needed_by_WL[rank] = False
         self.send_rows = torch.cat([torch.nonzero(row).flatten() for row in needed_by_WL]).to(setup.device)
-        # buffer = cat([local, received])[assemble]: received rows come grouped by source rank
+        # buffer row j holds local row assemble[j] (< L) or received row assemble[j] - L
         needed = geometry.needed_positions(rank, setup.window)
         src = geometry.owner[needed]
         recv_offset = torch.cumsum(torch.tensor([0] + self.recv_splits[:-1]), dim=0)
         assemble = torch.where(src == rank, geometry.local_index[needed], L + recv_offset[src] + _rank_within(src, W))
-        self.assemble = assemble.to(setup.device)
         self.assemble_runs = _runs(assemble, L)
-        # the adjoint as a gather: each local/received row's buffer row; rows no query needs get 0
-        source_rows = L + sum(self.recv_splits)
-        inverse = torch.zeros(source_rows, dtype=torch.long)
-        inverse[assemble] = torch.arange(assemble.numel())
-        unused = torch.ones(source_rows, dtype=torch.bool)
-        unused[assemble] = False
-        self.inverse, self.unused_rows = inverse.to(setup.device), torch.nonzero(unused).flatten().to(setup.device)
+        self.slots = _Slots.of(assemble, L, sum(self.recv_splits), setup.device)
         super().__init__(setup, needed)
 
     @property
@@ -70,27 +67,69 @@ class NeededOnlyExchange(BufferExchange):
     def transport(self, rows_TX: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
         """Rows grouped by destination -> rows grouped by source (a plain collective)."""
 
-    def gather_rows(self, kv_L2HD: torch.Tensor) -> torch.Tensor:
-        received = kv_L2HD[:0]
+    def gather_rows(self, k_LHD: torch.Tensor, v_LHD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        received_k, received_v = k_LHD[:0], v_LHD[:0]
         if self.any_transfer:
-            received = self.transport(kv_L2HD.index_select(0, self.send_rows), self.send_splits, self.recv_splits)
-        if self.assemble_runs is None:
-            return torch.cat([kv_L2HD, received]).index_select(0, self.assemble)
-        sources = (kv_L2HD, received)
-        parts = [sources[src].narrow(0, start, length) for src, start, length in self.assemble_runs]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)  # contiguous layouts: a view or one copy
+            sent = fuse_rows(k_LHD.index_select(0, self.send_rows), v_LHD.index_select(0, self.send_rows))
+            received_k, received_v = unfuse_rows(self.transport(sent, self.send_splits, self.recv_splits))
+        return self._assemble(k_LHD, received_k), self._assemble(v_LHD, received_v)
 
-    def scatter_grads(self, d_buffer_N2HD: torch.Tensor) -> torch.Tensor:
-        L = self.local_len
-        if d_buffer_N2HD.shape[0] == 0:  # a rank of only padding: no query, no gradient
-            d_rows = d_buffer_N2HD.new_zeros((self.inverse.numel(), *d_buffer_N2HD.shape[1:]))
-        else:
-            d_rows = d_buffer_N2HD.index_select(0, self.inverse).index_fill_(0, self.unused_rows, 0.0)
-        d_local = d_rows[:L]
+    def _assemble(self, local_LHD: torch.Tensor, received_RHD: torch.Tensor) -> torch.Tensor:
+        """``[N, Hk, D]``: each needed local and received row once, in buffer order."""
+        if self.assemble_runs is not None:  # contiguous layouts: a view or one copy
+            sources = (local_LHD, received_RHD)
+            parts = [sources[src].narrow(0, start, length) for src, start, length in self.assemble_runs]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+        slots = self.slots
+        buffer = local_LHD.new_empty((slots.size, *local_LHD.shape[1:]))
+        local = local_LHD if slots.local_rows is None else local_LHD.index_select(0, slots.local_rows)
+        buffer.index_copy_(0, slots.local, local)
+        if received_RHD.shape[0]:
+            buffer.index_copy_(0, slots.received, received_RHD)
+        return buffer
+
+    def scatter_grads(self, dk_NHD: torch.Tensor, dv_NHD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = self.slots
+        if dk_NHD.shape[0] == 0:  # a rank of only padding: no query, no gradient
+            d_local = [d.new_zeros((self.local_len, *d.shape[1:])) for d in (dk_NHD, dv_NHD)]
+        else:  # each local row's buffer gradient; rows no query needs get 0
+            d_local = [d.index_select(0, slots.of_local).index_fill_(0, slots.unused_local, 0.0) for d in (dk_NHD, dv_NHD)]
         if self.any_transfer:  # every rank runs the reverse collective, also one that only sent
-            returned = self.transport(d_rows[L:], self.recv_splits, self.send_splits)
-            d_local.index_add_(0, self.send_rows, returned)
-        return d_local
+            d_received = fuse_rows(dk_NHD.index_select(0, slots.received), dv_NHD.index_select(0, slots.received))
+            returned = self.transport(d_received, self.recv_splits, self.send_splits)
+            for d, d_returned in zip(d_local, unfuse_rows(returned)):
+                d.index_add_(0, self.send_rows, d_returned)
+        return d_local[0], d_local[1]
+
+
+@dataclass(frozen=True)
+class _Slots:
+    """Where rows go in the key buffer of `size` rows (indices on the device).
+
+    ``local``: slot of each used local row (all rows when ``local_rows`` is None, else
+    those rows); ``received``: slot of each received row; ``of_local`` ``[L]``: each
+    local row's slot (0 for a row no query needs, listed in ``unused_local``).
+    """
+
+    size: int
+    local_rows: Optional[torch.Tensor]
+    local: torch.Tensor
+    received: torch.Tensor
+    of_local: torch.Tensor
+    unused_local: torch.Tensor
+
+    @staticmethod
+    def of(assemble: torch.Tensor, local_len: int, received: int, device: torch.device) -> "_Slots":
+        """From ``assemble`` (buffer slot -> local row, or ``local_len +`` received row)."""
+        slot_of = torch.full((local_len + received,), -1, dtype=torch.long)
+        slot_of[assemble] = torch.arange(assemble.numel())
+        of_local, of_received = slot_of[:local_len], slot_of[local_len:]
+        used = of_local >= 0
+        local_rows = None if bool(used.all()) else torch.nonzero(used).flatten()
+        local = of_local if local_rows is None else of_local[local_rows]
+        unused_local = torch.nonzero(~used).flatten()
+        tensors = (local_rows, local, of_received, of_local.clamp(min=0), unused_local)
+        return _Slots(assemble.numel(), *(None if t is None else t.to(device) for t in tensors))
 
 
 def _rank_within(group_of: torch.Tensor, groups: int) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..errors import ensure
 from ..kernels import AttentionKernel, ItemTable, merge_partial
 from ..kernels.base import accumulate_dtype, add_sinks, sinks_grad
-from .base import ExchangeSetup, KVExchange, Traffic, fuse_kv, split_kv
+from .base import ExchangeSetup, KVExchange, Traffic, fuse_rows, token_major, unfuse_rows
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_HLD, k_HLD, v_HLD, sinks_H, ring: RingExchange, kernel: AttentionKernel, options):
         """``options``: ``(scale, dropout_p, softcap)``; the sinks join after every hop is merged."""
-        block = fuse_kv(k_HLD, v_HLD)
+        block = fuse_rows(*token_major(k_HLD, v_HLD))
         H, L, D = q_HLD.shape
         acc = accumulate_dtype(q_HLD.dtype)
         o = torch.zeros(H, L, D, dtype=acc, device=q_HLD.device)
@@ -132,7 +132,7 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.circulate(t, block)
             aux = None
             if hop.items.size:
-                k, v = split_kv(block)
+                k, v = token_major(*unfuse_rows(block))
                 o_t, lse_t, aux = kernel.forward(hop.kernel_calls[kernel.name], q_HLD, k, v, *options)
                 o, lse = merge_partial(o, lse, o_t, lse_t)
             auxes.append(aux)
@@ -150,21 +150,21 @@ class _RingAttention(torch.autograd.Function):
         ring, kernel = ctx.ring, ctx.kernel
         acc = accumulate_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        block = fuse_kv(k_own, v_own)
+        block = fuse_rows(*token_major(k_own, v_own))
         d_own = torch.zeros(block.shape, dtype=acc, device=q.device)
         for t, hop in enumerate(ring.hops):
             pending = ring.circulate(t, block)
             d_block = None
             if hop.items.size:
-                k, v = split_kv(block)
+                k, v = token_major(*unfuse_rows(block))
                 dq_t, dk_t, dv_t = kernel.backward(
                     hop.kernel_calls[kernel.name], do_HLD, q, k, v, o, lse, ctx.auxes[t], *ctx.options
                 )
                 dq += dq_t
-                d_block = fuse_kv(dk_t, dv_t)
+                d_block = fuse_rows(*token_major(dk_t, dv_t))
             _return_block_grads(ring, t, hop, d_block, d_own)
             block = ring.next_block(pending, block)
-        dk, dv = split_kv(d_own)
+        dk, dv = token_major(*unfuse_rows(d_own))
         d_sinks = None if sinks_H is None else sinks_grad(do_HLD, o, lse, sinks_H).to(sinks_H.dtype)
         return dq.to(q.dtype), dk.to(k_own.dtype), dv.to(v_own.dtype), d_sinks, None, None, None
 

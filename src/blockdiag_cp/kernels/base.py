@@ -158,6 +158,9 @@ class LseKernel(AttentionKernel):
     """A kernel with explicit forward/backward that return/take the log-sum-exp."""
 
     supports_lse = True
+    #: `forward`'s aux holds every value of q/k/v that `backward` reads, so a caller may
+    #: save shape-only stand-ins instead (`inputs_for_backward`)
+    keeps_inputs: bool = False
 
     @abstractmethod
     def forward(
@@ -183,15 +186,18 @@ class LseKernel(AttentionKernel):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients ``(dq, dk, dv)`` of this table's keys, given the final ``o`` and ``lse``."""
 
-    def backward_fused_kv(self, calls: Any, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale: float,
-                          dropout_p: float, softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`backward` with the K/V gradients as one ``[N, 2, Hk, D]`` tensor (token rows, as exchanged)."""
-        dq, dk, dv = self.backward(calls, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale, dropout_p, softcap)
-        return dq, torch.stack([dk.transpose(0, 1), dv.transpose(0, 1)], dim=1)
-
     def attend(self, calls: Any, q_HLD, k_HND, v_HND, scale: float, dropout_p: float,
                softcap: Optional[float] = None) -> torch.Tensor:
         return ItemAttention.apply(q_HLD, k_HND, v_HND, self, calls, scale, dropout_p, softcap)
+
+
+def inputs_for_backward(kernel: LseKernel, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What to save of a layer's inputs for `kernel.backward`: the tensors themselves, or,
+    for a kernel that `keeps_inputs`, stand-ins with their shape, dtype and device and
+    one element of storage (so the inputs are not held twice until backward)."""
+    if not kernel.keeps_inputs:
+        return tensors
+    return tuple(t.new_empty(()).expand(t.shape) for t in tensors)
 
 
 class ItemAttention(torch.autograd.Function):
@@ -201,7 +207,7 @@ class ItemAttention(torch.autograd.Function):
     def forward(ctx, q_HLD, k_HND, v_HND, kernel: "LseKernel", calls: Any, scale: float, dropout_p: float,
                 softcap: Optional[float] = None):
         o_HLD, lse_HL, aux = kernel.forward(calls, q_HLD, k_HND, v_HND, scale, dropout_p, softcap)
-        ctx.save_for_backward(q_HLD, k_HND, v_HND, o_HLD, lse_HL)
+        ctx.save_for_backward(*inputs_for_backward(kernel, q_HLD, k_HND, v_HND), o_HLD, lse_HL)
         ctx.kernel, ctx.calls, ctx.aux, ctx.options = kernel, calls, aux, (scale, dropout_p, softcap)
         return o_HLD
 

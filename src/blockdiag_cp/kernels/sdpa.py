@@ -16,13 +16,13 @@ log-sum-exp, which yields exactly the gradients of the merged attention. Memory 
 
 Note [Token-major rows and buckets]
 -----------------------------------
-A layer's tensors are used token-major, ``q [L, H, D]`` and K/V ``[N, Hk, D]`` (free
-views of what the model and the exchange hand over), so gathering a call's rows is
-one ``index_select`` along dim 0, never a copy of a whole ``[H, L, D]``. The call
-table, built once per step, groups the pieces:
+A layer's outputs and gradients are written token-major, ``o [L, H, D]`` and K/V
+gradients ``[N, 2, Hk, D]`` (the layout the model and the exchange use), each
+call's rows with one ``index_copy_``/``index_add_`` along dim 0, never a copy of a
+whole ``[H, L, D]``. The call table, built once per step, groups the pieces:
 
-- a causal square of at least ``SOLO_LEN`` queries is its own call: a slice view of
-  contiguous rows, no copy;
+- a causal square of at least ``SOLO_LEN`` queries is its own call: a slice of
+  contiguous rows (no index);
 - shorter causal squares (short documents, and the square part of short pieces)
   are padded at their end up to a bucket length (a grid about 12% apart) and
   batched ``G`` at a time into one call. Causality hides the pad keys from every
@@ -33,6 +33,18 @@ table, built once per step, groups the pieces:
 
 Forward keeps each call's gathered q/k/v for backward, which gathers only dO, o and
 lse (once per row) and scatter-adds dq/dk/dv (pads into the dummy rows).
+
+Note [Head-major call inputs]
+-----------------------------
+The fused CPU kernels run 5-10% faster forward and 3-5% backward when each head's
+query and key rows are contiguous (row stride ``D``) than on token-major views
+(row stride ``H * D``), measured per document at 1k-6k tokens; the layout of o and
+dO makes no difference. So each call's q/k/v are copied head-major, ``[G, H, l, D]``
+(one ``index_select`` of token rows, then one transposing copy, for batched
+items; one ``contiguous`` for a solo slice), a pass linear in the rows
+against the call's quadratic work. The copies are what forward keeps for backward
+(`keeps_inputs`), so the layer saves stand-ins of q and the key buffer instead:
+the memory a step holds is unchanged, and backward gathers no input twice.
 
 Note [Sliding windows from causal squares]
 ------------------------------------------
@@ -101,6 +113,14 @@ class Rows:
         if self.start is not None:
             return t_RX[self.start : self.start + self.length]
         return t_RX.index_select(0, self.gather)
+
+    def take_heads(self, t_HRD: torch.Tensor) -> torch.Tensor:
+        """``[G, H, length, D]``, copied so that each head's rows are contiguous
+        (Note [Head-major call inputs]); `t_HRD` may be a token-major view."""
+        if self.start is not None:
+            return t_HRD[:, self.start : self.start + self.length].unsqueeze(0).contiguous()
+        rows = t_HRD.transpose(0, 1).index_select(0, self.gather)  # along the token-major dim: fast
+        return self.batch(rows).contiguous()
 
     def put(self, t_RX: torch.Tensor, value_TX: torch.Tensor) -> None:
         """Write the rows of `t_RX` (which has the dummy row) in place."""
@@ -227,6 +247,7 @@ class SdpaKernel(LseKernel):
     name = "sdpa"
     supports_dropout = False
     supports_softcap = True  # with the same call table, in plain math per call (`MathOps`)
+    keeps_inputs = True  # each call's head-major q/k/v (Note [Head-major call inputs])
 
     def __init__(self, device: torch.device = torch.device("cpu")) -> None:
         self.device_type = device.type
@@ -245,19 +266,18 @@ class SdpaKernel(LseKernel):
         return self._ops if softcap is None else MathOps(softcap)
 
     def forward(self, calls, q_HLD, k_HND, v_HND, scale, dropout_p, softcap=None):
-        """``(o [H, L, D], lse [H, L], aux)``; aux holds each call's gathered q/k/v for backward."""
+        """``(o [H, L, D], lse [H, L], aux)``; aux holds each call's head-major q/k/v for backward."""
         ensure(dropout_p == 0.0, "callers route dropout to a kernel that supports it")
         ops = self._ops_for(softcap)
-        q_LHD, k_NHD, v_NHD = (t.transpose(0, 1) for t in (q_HLD, k_HND, v_HND))
-        L, H, D = q_LHD.shape
+        L, H, D = q_HLD.shape[1], q_HLD.shape[0], q_HLD.shape[2]
         # + the dummy row that pads write into; every other row is written by a first-touch call or zeroed here
-        o_LHD = q_LHD.new_empty(L + 1, H, D).index_fill_(0, calls.untouched_rows, 0.0)
+        o_LHD = q_HLD.new_empty(L + 1, H, D).index_fill_(0, calls.untouched_rows, 0.0)
         lse_LH = torch.empty((L + 1, H), dtype=accumulate_dtype(q_HLD.dtype), device=q_HLD.device)
         lse_LH.index_fill_(0, calls.untouched_rows, float("-inf"))
         kept = []
         for call in calls:
-            q, k, v = call.q.take(q_LHD), call.k.take(k_NHD), call.k.take(v_NHD)
-            o_b, lse_b = ops.fwd(call.q.batch(q), call.k.batch(k), call.k.batch(v), call.causal, scale)
+            q, k, v = call.q.take_heads(q_HLD), call.k.take_heads(k_HND), call.k.take_heads(v_HND)
+            o_b, lse_b = ops.fwd(q, k, v, call.causal, scale)
             o, lse = call.q.unbatch(o_b), call.q.unbatch(lse_b.unsqueeze(-1)).squeeze(-1)
             if call.merge:
                 o, lse = merge_partial(call.q.take(o_LHD), call.q.take(lse_LH), o, lse)
@@ -267,20 +287,13 @@ class SdpaKernel(LseKernel):
         return o_LHD[:L].transpose(0, 1), lse_LH[:L].transpose(0, 1), kept
 
     def backward(self, calls, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale, dropout_p, softcap=None):
-        dq, dkv = self.backward_fused_kv(calls, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale, dropout_p,
-                                         softcap)
-        return dq, dkv[:, 0].transpose(0, 1), dkv[:, 1].transpose(0, 1)
-
-    def backward_fused_kv(self, calls, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale, dropout_p,
-                          softcap=None):
-        """``(dq [H, L, D], dkv [N, 2, Hk, D])``: K and V gradients accumulated in one fused buffer."""
+        """``(dq [H, L, D], dk [Hk, N, D], dv [Hk, N, D])``: token-major storage (each call's rows added in place)."""
         ops = self._ops_for(softcap)
         do_LHD, o_LHD, lse_LH = do_HLD.transpose(0, 1), o_HLD.transpose(0, 1), lse_HL.transpose(0, 1)
         acc = accumulate_dtype(q_HLD.dtype)
         (H, L, D), N = q_HLD.shape, k_HND.shape[1]
         dq = torch.zeros(L + 1, H, D, dtype=acc, device=q_HLD.device)
-        dkv = torch.zeros(N + 1, 2, k_HND.shape[0], D, dtype=acc, device=q_HLD.device)
-        dk, dv = dkv[:, 0], dkv[:, 1]
+        dk, dv = (torch.zeros(N + 1, k_HND.shape[0], D, dtype=acc, device=q_HLD.device) for _ in range(2))
         # In half precision the CPU fused backward sums grouped-query heads in that
         # precision; expand K/V heads and sum their gradients in float32 instead.
         groups = H // k_HND.shape[0] if q_HLD.element_size() < 4 and self.device_type == "cpu" else 1
@@ -288,11 +301,9 @@ class SdpaKernel(LseKernel):
             do, o, lse = call.q.take(do_LHD), call.q.take(o_LHD), call.q.take(lse_LH)
             if call.q.pad is not None:  # pad queries: probabilities exp(s - inf) = 0, so no gradient at all
                 lse = lse.masked_fill(call.q.pad[:, None], float("inf"))
-            k_b, v_b = call.k.batch(k), call.k.batch(v)
-            if groups > 1:
-                k_b, v_b = expand_heads(k_b, H, 1), expand_heads(v_b, H, 1)
+            k_b, v_b = (expand_heads(k, H, 1), expand_heads(v, H, 1)) if groups > 1 else (k, v)
             dq_b, dk_b, dv_b = ops.bwd(
-                call.q.batch(do), call.q.batch(q), k_b, v_b, call.q.batch(o),
+                call.q.batch(do), q, k_b, v_b, call.q.batch(o),
                 call.q.batch(lse.unsqueeze(-1)).squeeze(-1).contiguous(), call.causal, scale,
             )
             if groups > 1:
@@ -300,4 +311,5 @@ class SdpaKernel(LseKernel):
             call.q.add(dq, call.q.unbatch(dq_b))
             call.k.add(dk, call.k.unbatch(dk_b))
             call.k.add(dv, call.k.unbatch(dv_b))
-        return dq[:-1].transpose(0, 1).to(q_HLD.dtype), dkv[:-1].to(k_HND.dtype)
+        return (dq[:-1].transpose(0, 1).to(q_HLD.dtype), dk[:-1].transpose(0, 1).to(k_HND.dtype),
+                dv[:-1].transpose(0, 1).to(v_HND.dtype))

@@ -2,7 +2,10 @@
 
 Each configuration runs in fresh gloo processes (one thread per rank), so peak RSS
 is that configuration's. Time is forward+backward of one attention call, between
-barriers, median of ``repeats`` after one warm-up. Bytes sent are the ``wchar``
+barriers, median of ``repeats`` after one warm-up: the call's inputs are this rank's
+q/k/v shards as leaves (token-major views, as a model's projections hand them
+over), like the limit's per-document q/k/v; sharding the batch, done once per step
+for every layer, is not timed. Bytes sent are the ``wchar``
 delta of ``/proc/self/io`` (sockets count there): what the rank really wrote.
 The *limit* is one process running the same per-document attention alone, divided
 by the world size.
@@ -124,7 +127,6 @@ def _split(x_1LX: torch.Tensor, spec: BenchSpec):
 def _make_step(spec: BenchSpec, mesh):
     """Return ``(train_ctx, local x, sdpa fn, exchange, kernel, work)`` for the implementation."""
     x, doc_ids = _inputs(spec)
-    x.requires_grad_(True)
     batch = {"inputs_embeds": x, "_packed_seq_ids": doc_ids}
     if spec.impl == "seed":
         from nemo_automodel.components.distributed.blockdiag_cp import batch as seed_batch
@@ -150,10 +152,10 @@ def bench_worker(rank: int, world: int, spec: BenchSpec) -> dict:
     times, sent = [], []
     for i in range(spec.repeats + 1):
         train_ctx, x_local, sdpa, exchange, kernel, work = _make_step(spec, mesh)
+        q, k, v = (t.detach().requires_grad_(True) for t in _split(x_local, spec))
         dist.barrier()
         t0, w0 = time.perf_counter(), bytes_written()
         with train_ctx():
-            q, k, v = _split(x_local, spec)
             out = sdpa(q, k, v, enable_gqa=spec.heads != spec.kv_heads)
             out.float().square().mean().backward()
         dist.barrier()
