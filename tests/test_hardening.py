@@ -177,3 +177,32 @@ def test_memory_grows_linearly_with_sequence_length():
     assert peaks[262144] <= 2.6 * peaks[131072] and peaks[131072] <= 2.6 * peaks[65536], peaks
     one_L_by_S_mask = (262144 // 2) * 262144  # bytes of a single bool [L, S] mask at the largest size
     assert peaks[262144] < one_L_by_S_mask / 20, peaks
+
+
+def saved_input_bytes(kernel: str) -> tuple[int, int]:
+    """Storage bytes that one layer saves for backward in tensors of q's or the key buffer's
+    shape, and the bytes of q itself (world 1, 8 heads of 16, 96 tokens in 3 documents)."""
+    from blockdiag_cp import CPConfig, cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+    from blockdiag_cp.testing import doc_ids_from_lengths
+
+    ids = doc_ids_from_lengths([40, 24, 32]).unsqueeze(0)
+    x = torch.randn(1, 96, 3 * 8 * 16, requires_grad=True)
+    ctx, batch = make_cp_blockdiag_batch_and_ctx(None, None, {"inputs_embeds": x, "_packed_seq_ids": ids},
+                                                  config=CPConfig(kernel=kernel))
+    saved = []
+    with ctx():
+        q, k, v = (t.reshape(1, 96, 8, 16).transpose(1, 2) for t in batch["inputs_embeds"].split(128, -1))
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = cp_blockdiag_sdpa(q, k, v)
+        out.sum().backward()
+    inputs = [t for t in saved if t.shape[-2:] == (96, 16) and t.dim() == 3 and t is not out]
+    return sum(t.untyped_storage().nbytes() for t in inputs[:3]), q[0].numel() * 4
+
+
+def test_sdpa_layer_saves_its_call_copies_not_the_inputs_again():
+    # the sdpa kernel keeps each call's head-major q/k/v (Note [Head-major call inputs]); the
+    # layer must then save shape-only stand-ins of q and the K/V buffer, not hold them twice
+    stand_ins, q_bytes = saved_input_bytes("sdpa")
+    assert stand_ins <= 3 * 8, stand_ins  # one element each
+    held, _ = saved_input_bytes("dense")  # a kernel that reads the inputs in backward keeps them
+    assert held >= 3 * q_bytes, held
