@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from blockdiag_cp.tools.bench import BenchSpec, bytes_written, doc_lengths, limit_seconds
+from blockdiag_cp.tools.bench import BenchSpec, attention_leaves, bytes_written, doc_lengths, limit_seconds
 from blockdiag_cp.testing import doc_ids_from_lengths, spawn
 
 S, H, HK, D = 8192, 8, 8, 64
@@ -47,11 +47,9 @@ def worker(rank, world, segments, layout, repeats=3):
     for exchange in EXCHANGES:
         times, sent = [], []
         for i in range(repeats + 1):
-            xi = x.clone().requires_grad_(True)
-            ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh, None, {"inputs_embeds": xi, "_packed_seq_ids": ids},
+            ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh, None, {"inputs_embeds": x, "_packed_seq_ids": ids},
                                                          config=CPConfig(kv_exchange=exchange, layout=layout))
-            q, k, v = (t.reshape(1, t.shape[1], -1, D).transpose(1, 2)
-                       for t in batch["inputs_embeds"].split([H * D, HK * D, HK * D], -1))
+            q, k, v = attention_leaves(batch["inputs_embeds"], H, HK, D)
             dist.barrier()
             with ctx() as state:
                 t0, w0 = time.perf_counter(), bytes_written()

@@ -29,7 +29,7 @@ from blockdiag_cp import CPConfig
 from blockdiag_cp.cost import candidate_degrees, pick_degree, scheme_cost
 from blockdiag_cp.layout import make_plan
 from blockdiag_cp.testing import doc_ids_from_lengths, spawn
-from blockdiag_cp.tools.bench import bytes_written, doc_lengths
+from blockdiag_cp.tools.bench import attention_leaves, bytes_written, doc_lengths
 
 S, WORLD, H, HK, D = 8192, 4, 8, 2, 64
 DEGREES = (1, 2, 4, "auto")
@@ -50,11 +50,9 @@ def worker(rank, world, segments, repeats=3):
         config = CPConfig(layout="balanced", ulysses_degree=degree, attention_heads=(H, HK))
         times, sent = [], []
         for i in range(repeats + 1):
-            xi = x.clone().requires_grad_(True)
-            ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh, None, {"inputs_embeds": xi, "_packed_seq_ids": ids},
+            ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh, None, {"inputs_embeds": x, "_packed_seq_ids": ids},
                                                          config=config)
-            q, k, v = (t.reshape(1, t.shape[1], -1, D).transpose(1, 2)
-                       for t in batch["inputs_embeds"].split([H * D, HK * D, HK * D], -1))
+            q, k, v = attention_leaves(batch["inputs_embeds"], H, HK, D)
             with ctx() as state:
                 dist.barrier()
                 before, t0 = bytes_written(), time.perf_counter()

@@ -19,7 +19,7 @@ import time
 import torch
 
 from blockdiag_cp.testing import doc_ids_from_lengths, spawn
-from blockdiag_cp.tools.bench import bytes_written, doc_lengths
+from blockdiag_cp.tools.bench import attention_leaves, bytes_written, doc_lengths
 
 S, H, D = 32768, 8, 64
 ROWS = {"one document": doc_lengths("one", S), "300 power-law docs": doc_lengths("powerlaw:300", S)}
@@ -36,10 +36,10 @@ def worker(rank, world, segments, layout):
     ids = doc_ids_from_lengths(segments).unsqueeze(0)
     out = {}
     for window in WINDOWS:
-        x = torch.randn(1, S, 3 * H * D, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        x = torch.randn(1, S, 3 * H * D, generator=torch.Generator().manual_seed(0))
         ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh, None, {"inputs_embeds": x, "_packed_seq_ids": ids},
                                                      config=CPConfig(layout=layout))
-        q, k, v = (t.reshape(1, t.shape[1], H, D).transpose(1, 2) for t in batch["inputs_embeds"].split(H * D, -1))
+        q, k, v = attention_leaves(batch["inputs_embeds"], H, H, D)
         dist.barrier()
         with ctx() as state:
             t0, w0 = time.perf_counter(), bytes_written()

@@ -118,10 +118,11 @@ def _inputs(spec: BenchSpec) -> tuple[torch.Tensor, torch.Tensor]:
     return x, doc_ids_from_lengths(spec.segments).unsqueeze(0)
 
 
-def _split(x_1LX: torch.Tensor, spec: BenchSpec):
-    H, Hk, D = spec.heads, spec.kv_heads, spec.head_dim
-    q, k, v = torch.split(x_1LX, [H * D, Hk * D, Hk * D], dim=-1)
-    return [t.reshape(1, t.shape[1], -1, D).transpose(1, 2) for t in (q, k, v)]
+def attention_leaves(x_1LX: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> list[torch.Tensor]:
+    """This rank's q ``[1, H, L, D]`` and k/v ``[1, Hk, L, D]`` from a projected row ``[1, L, (H + 2Hk) D]``:
+    token-major views (as a model's projections hand them over), made leaves, like the limit's q/k/v."""
+    q, k, v = torch.split(x_1LX.detach(), [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    return [t.reshape(1, t.shape[1], -1, head_dim).transpose(1, 2).requires_grad_(True) for t in (q, k, v)]
 
 
 def _make_step(spec: BenchSpec, mesh):
@@ -152,7 +153,7 @@ def bench_worker(rank: int, world: int, spec: BenchSpec) -> dict:
     times, sent = [], []
     for i in range(spec.repeats + 1):
         train_ctx, x_local, sdpa, exchange, kernel, work = _make_step(spec, mesh)
-        q, k, v = (t.detach().requires_grad_(True) for t in _split(x_local, spec))
+        q, k, v = attention_leaves(x_local, spec.heads, spec.kv_heads, spec.head_dim)
         dist.barrier()
         t0, w0 = time.perf_counter(), bytes_written()
         with train_ctx():
