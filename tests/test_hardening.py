@@ -196,13 +196,18 @@ def saved_input_bytes(kernel: str) -> tuple[int, int]:
             out = cp_blockdiag_sdpa(q, k, v)
         out.sum().backward()
     inputs = [t for t in saved if t.shape[-2:] == (96, 16) and t.dim() == 3 and t is not out]
-    return sum(t.untyped_storage().nbytes() for t in inputs[:3]), q[0].numel() * 4
+    per_call = [t for t in saved if t.dim() == 4]  # a kernel's [G, H, l, D] call copies
+    return (sum(t.untyped_storage().nbytes() for t in inputs[:3]), sum(t.numel() * 4 for t in per_call),
+            q[0].numel() * 4)
 
 
 def test_sdpa_layer_saves_its_call_copies_not_the_inputs_again():
     # the sdpa kernel keeps each call's head-major q/k/v (Note [Head-major call inputs]); the
-    # layer must then save shape-only stand-ins of q and the K/V buffer, not hold them twice
-    stand_ins, q_bytes = saved_input_bytes("sdpa")
+    # layer must then save shape-only stand-ins of q and the K/V buffer, not hold them twice,
+    # and save the copies through save_for_backward, so that activation checkpointing frees
+    # them (attributes on ctx would outlive a checkpointed forward)
+    stand_ins, copies, q_bytes = saved_input_bytes("sdpa")
     assert stand_ins <= 3 * 8, stand_ins  # one element each
-    held, _ = saved_input_bytes("dense")  # a kernel that reads the inputs in backward keeps them
+    assert copies >= 3 * q_bytes, copies  # q, k and v of every call, under the saved-tensor hooks
+    held, _, _ = saved_input_bytes("dense")  # a kernel that reads the inputs in backward keeps them
     assert held >= 3 * q_bytes, held

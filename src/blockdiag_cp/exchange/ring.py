@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..errors import ensure
 from ..kernels import AttentionKernel, ItemTable, merge_partial
-from ..kernels.base import accumulate_dtype, add_sinks, sinks_grad
+from ..kernels.base import accumulate_dtype, add_sinks, save_for_backward, saved_for_backward, sinks_grad
 from .base import ExchangeSetup, KVExchange, Traffic, fuse_rows, token_major, unfuse_rows
 
 
@@ -140,13 +140,13 @@ class _RingAttention(torch.autograd.Function):
         if sinks_H is not None:
             o, lse = add_sinks(o, lse, sinks_H)
         o = o.to(q_HLD.dtype)
-        ctx.save_for_backward(q_HLD, k_HLD, v_HLD, o, lse, sinks_H)
-        ctx.ring, ctx.kernel, ctx.auxes, ctx.options = ring, kernel, auxes, options
+        save_for_backward(ctx, (q_HLD, k_HLD, v_HLD, o, lse, sinks_H), auxes)
+        ctx.ring, ctx.kernel, ctx.options = ring, kernel, options
         return o
 
     @staticmethod
     def backward(ctx, do_HLD):
-        q, k_own, v_own, o, lse, sinks_H = ctx.saved_tensors
+        (q, k_own, v_own, o, lse, sinks_H), auxes = saved_for_backward(ctx)
         ring, kernel = ctx.ring, ctx.kernel
         acc = accumulate_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -158,7 +158,7 @@ class _RingAttention(torch.autograd.Function):
             if hop.items.size:
                 k, v = token_major(*unfuse_rows(block))
                 dq_t, dk_t, dv_t = kernel.backward(
-                    hop.kernel_calls[kernel.name], do_HLD, q, k, v, o, lse, ctx.auxes[t], *ctx.options
+                    hop.kernel_calls[kernel.name], do_HLD, q, k, v, o, lse, auxes[t], *ctx.options
                 )
                 dq += dq_t
                 d_block = fuse_rows(*token_major(dk_t, dv_t))

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import ensure
 
@@ -200,6 +201,22 @@ def inputs_for_backward(kernel: LseKernel, *tensors: torch.Tensor) -> tuple[torc
     return tuple(t.new_empty(()).expand(t.shape) for t in tensors)
 
 
+def save_for_backward(ctx, tensors: tuple, aux: Any) -> None:
+    """``ctx.save_for_backward`` of `tensors` and of every tensor in a kernel's `aux`
+    (nested lists/tuples of tensors or None), so that activation checkpointing and
+    saved-tensor hooks govern them too (attributes on ctx would outlive a checkpointed
+    forward). `saved_for_backward` returns ``(tensors, aux)``."""
+    leaves, ctx.aux_spec = tree_flatten(aux)
+    ctx.saved_count = len(tensors)
+    ctx.save_for_backward(*tensors, *leaves)
+
+
+def saved_for_backward(ctx) -> tuple[tuple, Any]:
+    """``(tensors, aux)`` as `save_for_backward` received them."""
+    saved = ctx.saved_tensors
+    return saved[: ctx.saved_count], tree_unflatten(list(saved[ctx.saved_count :]), ctx.aux_spec)
+
+
 class ItemAttention(torch.autograd.Function):
     """``o = attention(q, k, v)`` over an item table; backward through the kernel."""
 
@@ -207,14 +224,14 @@ class ItemAttention(torch.autograd.Function):
     def forward(ctx, q_HLD, k_HND, v_HND, kernel: "LseKernel", calls: Any, scale: float, dropout_p: float,
                 softcap: Optional[float] = None):
         o_HLD, lse_HL, aux = kernel.forward(calls, q_HLD, k_HND, v_HND, scale, dropout_p, softcap)
-        ctx.save_for_backward(*inputs_for_backward(kernel, q_HLD, k_HND, v_HND), o_HLD, lse_HL)
-        ctx.kernel, ctx.calls, ctx.aux, ctx.options = kernel, calls, aux, (scale, dropout_p, softcap)
+        save_for_backward(ctx, (*inputs_for_backward(kernel, q_HLD, k_HND, v_HND), o_HLD, lse_HL), aux)
+        ctx.kernel, ctx.calls, ctx.options = kernel, calls, (scale, dropout_p, softcap)
         return o_HLD
 
     @staticmethod
     def backward(ctx, do_HLD):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.kernel.backward(ctx.calls, do_HLD, q, k, v, o, lse, ctx.aux, *ctx.options)
+        (q, k, v, o, lse), aux = saved_for_backward(ctx)
+        dq, dk, dv = ctx.kernel.backward(ctx.calls, do_HLD, q, k, v, o, lse, aux, *ctx.options)
         return dq, dk, dv, None, None, None, None, None
 
 

@@ -17,7 +17,7 @@ log-sum-exp, which yields exactly the gradients of the merged attention. Memory 
 Note [Token-major rows and buckets]
 -----------------------------------
 A layer's outputs and gradients are written token-major, ``o [L, H, D]`` and K/V
-gradients ``[N, 2, Hk, D]`` (the layout the model and the exchange use), each
+gradients ``[N, Hk, D]`` (the layout the model and the exchange use), each
 call's rows with one ``index_copy_``/``index_add_`` along dim 0, never a copy of a
 whole ``[H, L, D]``. The call table, built once per step, groups the pieces:
 
