@@ -124,6 +124,7 @@ class _Slots:
         slot_of = torch.full((local_len + received,), -1, dtype=torch.long)
         slot_of[assemble] = torch.arange(assemble.numel())
         of_local, of_received = slot_of[:local_len], slot_of[local_len:]
+        ensure(bool((of_received >= 0).all()), "a received K/V row has no slot in the key buffer")
         used = of_local >= 0
         local_rows = None if bool(used.all()) else torch.nonzero(used).flatten()
         local = of_local if local_rows is None else of_local[local_rows]
