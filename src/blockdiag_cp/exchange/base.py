@@ -19,7 +19,7 @@ import torch
 from ..errors import ensure
 from ..geometry import Pieces, StepGeometry
 from ..kernels import AttentionKernel, ItemTable
-from ..kernels.base import add_sinks, inputs_for_backward, save_for_backward, saved_for_backward, sinks_grad
+from ..kernels.base import add_sinks, save_for_backward, saved_for_backward, sinks_grad
 
 
 @dataclass(frozen=True)
@@ -195,14 +195,14 @@ class BufferAttention(torch.autograd.Function):
         o_HLD, lse_HL, aux = kernel.forward(calls, q_HLD, k_HND, v_HND, *options)
         if sinks_H is not None:
             o_HLD, lse_HL = add_sinks(o_HLD, lse_HL, sinks_H)
-        save_for_backward(ctx, (*inputs_for_backward(kernel, q_HLD, k_HND, v_HND), o_HLD, lse_HL, sinks_H), aux)
+        save_for_backward(ctx, kernel, (q_HLD, k_HND, v_HND), (o_HLD, lse_HL, sinks_H), aux)
         ctx.exchange, ctx.kernel, ctx.calls, ctx.options = exchange, kernel, calls, options
         return o_HLD
 
     @staticmethod
     def backward(ctx, do_HLD):
-        (q, k_HND, v_HND, o, lse, sinks_H), aux = saved_for_backward(ctx)
+        (q, k_HND, v_HND), (o, lse, sinks_H), aux = saved_for_backward(ctx)
         dq, dk_HND, dv_HND = ctx.kernel.backward(ctx.calls, do_HLD, q, k_HND, v_HND, o, lse, aux, *ctx.options)
         dk_LHD, dv_LHD = ctx.exchange.scatter_grads(*token_major(dk_HND.to(k_HND.dtype), dv_HND.to(v_HND.dtype)))
         d_sinks = None if sinks_H is None else sinks_grad(do_HLD, o, lse, sinks_H).to(sinks_H.dtype)
-        return dq, *token_major(dk_LHD, dv_LHD), d_sinks, None, None, None, None, None
+        return dq, *token_major(dk_LHD, dv_LHD), d_sinks, None, None, None, None

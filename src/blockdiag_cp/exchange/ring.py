@@ -123,6 +123,8 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q_HLD, k_HLD, v_HLD, sinks_H, ring: RingExchange, kernel: AttentionKernel, options):
         """``options``: ``(scale, dropout_p, softcap)``; the sinks join after every hop is merged."""
         block = fuse_rows(*token_major(k_HLD, v_HLD))
+        if kernel.keeps_inputs:  # every hop's calls slice one head-major q (no copy per hop)
+            q_HLD = q_HLD.contiguous()
         H, L, D = q_HLD.shape
         acc = accumulate_dtype(q_HLD.dtype)
         o = torch.zeros(H, L, D, dtype=acc, device=q_HLD.device)
@@ -140,13 +142,13 @@ class _RingAttention(torch.autograd.Function):
         if sinks_H is not None:
             o, lse = add_sinks(o, lse, sinks_H)
         o = o.to(q_HLD.dtype)
-        save_for_backward(ctx, (q_HLD, k_HLD, v_HLD, o, lse, sinks_H), auxes)
+        save_for_backward(ctx, kernel, (q_HLD,), (k_HLD, v_HLD, o, lse, sinks_H), auxes)
         ctx.ring, ctx.kernel, ctx.options = ring, kernel, options
         return o
 
     @staticmethod
     def backward(ctx, do_HLD):
-        (q, k_own, v_own, o, lse, sinks_H), auxes = saved_for_backward(ctx)
+        (q,), (k_own, v_own, o, lse, sinks_H), auxes = saved_for_backward(ctx)
         ring, kernel = ctx.ring, ctx.kernel
         acc = accumulate_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)

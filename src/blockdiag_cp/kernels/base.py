@@ -159,8 +159,8 @@ class LseKernel(AttentionKernel):
     """A kernel with explicit forward/backward that return/take the log-sum-exp."""
 
     supports_lse = True
-    #: `forward`'s aux holds every value of q/k/v that `backward` reads, so a caller may
-    #: save shape-only stand-ins instead (`inputs_for_backward`)
+    #: `forward`'s aux holds every value of q/k/v that `backward` reads, so callers keep
+    #: only their shapes (`save_for_backward`)
     keeps_inputs: bool = False
 
     @abstractmethod
@@ -168,7 +168,10 @@ class LseKernel(AttentionKernel):
         self, calls: Any, q_HLD: torch.Tensor, k_HND: torch.Tensor, v_HND: torch.Tensor, scale: float,
         dropout_p: float, softcap: Optional[float] = None,
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """Return ``(o [H, L, D], lse [H, L] float, aux)``; rows in no item: 0 and -inf."""
+        """Return ``(o [H, L, D], lse [H, L] float, aux)``; rows in no item: 0 and -inf.
+
+        ``aux`` is what `backward` needs besides the saved tensors: tensors or None, in
+        nested lists/tuples (it is saved with ``ctx.save_for_backward``)."""
 
     @abstractmethod
     def backward(
@@ -192,29 +195,29 @@ class LseKernel(AttentionKernel):
         return ItemAttention.apply(q_HLD, k_HND, v_HND, self, calls, scale, dropout_p, softcap)
 
 
-def inputs_for_backward(kernel: LseKernel, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """What to save of a layer's inputs for `kernel.backward`: the tensors themselves, or,
-    for a kernel that `keeps_inputs`, stand-ins with their shape, dtype and device and
-    one element of storage (so the inputs are not held twice until backward)."""
-    if not kernel.keeps_inputs:
-        return tensors
-    return tuple(t.new_empty(()).expand(t.shape) for t in tensors)
-
-
-def save_for_backward(ctx, tensors: tuple, aux: Any) -> None:
-    """``ctx.save_for_backward`` of `tensors` and of every tensor in a kernel's `aux`
-    (nested lists/tuples of tensors or None), so that activation checkpointing and
-    saved-tensor hooks govern them too (attributes on ctx would outlive a checkpointed
-    forward). `saved_for_backward` returns ``(tensors, aux)``."""
+def save_for_backward(ctx, kernel: "LseKernel", inputs: tuple, tensors: tuple, aux: Any) -> None:
+    """Save a layer's `inputs` (q/k/v as the kernel sees them), other `tensors` and the
+    kernel's `aux` (tensors or None, in nested lists/tuples) with ``ctx.save_for_backward``,
+    so activation checkpointing and saved-tensor hooks govern all of them (attributes on
+    ctx would outlive a checkpointed forward). For a kernel that `keeps_inputs`, only the
+    inputs' shapes, dtypes and devices are kept: backward gets one-element stand-ins.
+    `saved_for_backward` returns ``(inputs, tensors, aux)``."""
     leaves, ctx.aux_spec = tree_flatten(aux)
-    ctx.saved_count = len(tensors)
-    ctx.save_for_backward(*tensors, *leaves)
+    ctx.input_meta = [(t.shape, t.dtype, t.device) for t in inputs] if kernel.keeps_inputs else None
+    saved_inputs = () if kernel.keeps_inputs else inputs
+    ctx.saved_counts = (len(saved_inputs), len(tensors))
+    ctx.save_for_backward(*saved_inputs, *tensors, *leaves)
 
 
-def saved_for_backward(ctx) -> tuple[tuple, Any]:
-    """``(tensors, aux)`` as `save_for_backward` received them."""
-    saved = ctx.saved_tensors
-    return saved[: ctx.saved_count], tree_unflatten(list(saved[ctx.saved_count :]), ctx.aux_spec)
+def saved_for_backward(ctx) -> tuple[tuple, tuple, Any]:
+    """``(inputs, tensors, aux)`` as `save_for_backward` received them (inputs as stand-ins
+    with their shape, dtype and device when the kernel keeps what it reads)."""
+    saved, (n_inputs, n_tensors) = ctx.saved_tensors, ctx.saved_counts
+    inputs = saved[:n_inputs]
+    if ctx.input_meta is not None:
+        inputs = tuple(torch.empty((), dtype=dtype, device=device).expand(shape) for shape, dtype, device in ctx.input_meta)
+    tensors = saved[n_inputs : n_inputs + n_tensors]
+    return inputs, tensors, tree_unflatten(list(saved[n_inputs + n_tensors :]), ctx.aux_spec)
 
 
 class ItemAttention(torch.autograd.Function):
@@ -224,13 +227,13 @@ class ItemAttention(torch.autograd.Function):
     def forward(ctx, q_HLD, k_HND, v_HND, kernel: "LseKernel", calls: Any, scale: float, dropout_p: float,
                 softcap: Optional[float] = None):
         o_HLD, lse_HL, aux = kernel.forward(calls, q_HLD, k_HND, v_HND, scale, dropout_p, softcap)
-        save_for_backward(ctx, (*inputs_for_backward(kernel, q_HLD, k_HND, v_HND), o_HLD, lse_HL), aux)
+        save_for_backward(ctx, kernel, (q_HLD, k_HND, v_HND), (o_HLD, lse_HL), aux)
         ctx.kernel, ctx.calls, ctx.options = kernel, calls, (scale, dropout_p, softcap)
         return o_HLD
 
     @staticmethod
     def backward(ctx, do_HLD):
-        (q, k, v, o, lse), aux = saved_for_backward(ctx)
+        (q, k, v), (o, lse), aux = saved_for_backward(ctx)
         dq, dk, dv = ctx.kernel.backward(ctx.calls, do_HLD, q, k, v, o, lse, aux, *ctx.options)
         return dq, dk, dv, None, None, None, None, None
 
