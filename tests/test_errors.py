@@ -202,8 +202,9 @@ def test_a_batch_rejected_on_one_rank_fails_every_rank():
     assert all(m is not None and "rank(s) [2] rejected" in m for m in messages[:2])
 
 
-def fake_flash_padding_worker(rank, world):
-    """flash on CPU through a fake module, a rank of only padding, the a2a exchange: no hang."""
+def fake_flash_padding_worker(rank, world, checkpoint=None):
+    """flash on CPU through a fake module, a rank of only padding, the a2a exchange: no hang
+    (also when the layer is checkpointed: the padding rank must recompute with the others)."""
     import sys
     import types
     from unittest import mock
@@ -230,13 +231,14 @@ def fake_flash_padding_worker(rank, world):
     fake.flash_attn_varlen_func = flash_attn_varlen_func
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     with mock.patch.dict(sys.modules, {"flash_attn": fake}), mock.patch.object(kernels, "GPU_ONLY", ()):
-        case = ParityCase((20, -20), heads=4, kv_heads=2, kv_exchange="a2a", kernel="flash")
+        case = ParityCase((20, -20), heads=4, kv_heads=2, kv_exchange="a2a", kernel="flash", checkpoint=checkpoint)
         with mock.patch.object(kernels.FlashKernel, "check", lambda self, q, p: None):  # float64 on CPU
             return run_parity_case(case, mesh["cp"])
 
 
-def test_autograd_native_kernel_on_a_padding_rank_keeps_collectives_matched():
-    results = spawn(fake_flash_padding_worker, 3, timeout=120)
+@pytest.mark.parametrize("checkpoint", [None, "reentrant", "non_reentrant"])
+def test_autograd_native_kernel_on_a_padding_rank_keeps_collectives_matched(checkpoint):
+    results = spawn(fake_flash_padding_worker, 3, checkpoint, timeout=60)
     assert all(r.kernel == "flash" and r.out_err < 1e-12 and r.grad_err < 1e-12 for r in results)
 
 

@@ -164,7 +164,11 @@ class BufferExchange(KVExchange):
         if self.items.size == 0:
             # A rank of only padding: its zeros must still depend on q and the fetched
             # buffer, so its backward runs the exchange's collectives like every other rank.
-            out = out + 0.0 * (q_HLD.sum() + k_buf.sum() + v_buf.sum())
+            # The zero is a tensor so that its product saves one: under non-reentrant
+            # checkpointing, unpacking it makes this rank recompute (and run the forward
+            # collectives) with the others; a float 0.0 saves nothing and the others hang.
+            zero = q_HLD.new_zeros(())
+            out = out + zero * (q_HLD.sum() + k_buf.sum() + v_buf.sum())
         return out
 
 
