@@ -399,7 +399,7 @@ def test_probe_random_strides_position_offsets_and_masks(pool2):
     segments = st.lists(st.one_of(st.integers(1, 12), st.integers(-4, -1)), min_size=1, max_size=8).filter(
         lambda s: any(n > 0 for n in s))
 
-    @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(segs=segments, offsets=st.lists(st.integers(0, 50), min_size=8, max_size=8),
            layout_kind=st.sampled_from(["every_other", "permuted", "contiguous"]),
            combo=st.sampled_from([("sdpa", "auto"), ("sdpa", "ring"), ("dense", "a2a"), ("sdpa", "allgather")]),
