@@ -273,7 +273,7 @@ class SdpaKernel(LseKernel):
         """``(o [H, L, D], lse [H, L], aux)``; aux holds each call's head-major q/k/v for backward."""
         ensure(dropout_p == 0.0, "callers route dropout to a kernel that supports it")
         ops = self._ops_for(softcap)
-        L, H, D = q_HLD.shape[1], q_HLD.shape[0], q_HLD.shape[2]
+        H, L, D = q_HLD.shape
         # + the dummy row that pads write into; every other row is written by a first-touch call or zeroed here
         o_LHD = q_HLD.new_empty(L + 1, H, D).index_fill_(0, calls.untouched_rows, 0.0)
         lse_LH = torch.empty((L + 1, H), dtype=accumulate_dtype(q_HLD.dtype), device=q_HLD.device)
