@@ -3,9 +3,13 @@
     torchrun --standalone --nproc-per-node 4 examples/train_trainer.py --cp 2            # dp=2 x cp=2
     torchrun --standalone --nproc-per-node 2 examples/train_trainer.py --cp 2 --bf16     # autocast
     python examples/train_trainer.py --cp 0 --dp 2                                       # the run without CP
+    torchrun --standalone --nproc-per-node 2 examples/train_trainer.py --cp 0            # without CP, plain DDP
 
-`--cp 0` is transformers' own Trainer (no blockdiag-cp) on one process with the batches
-of `--dp` replicas: the run the CP run must equal. Each step packs `--batch` documents
+`--cp 0` is transformers' own Trainer (no blockdiag-cp): in one process with the batches
+of `--dp` replicas, or under torchrun as plain DDP (`--dp 1`: each process one replica):
+the run the CP run must equal. `--epochs` trains whole epochs of `--train-docs`
+documents, so the last batch may be short (the Trainer's defaults keep it:
+`dataloader_drop_last=False`, accelerate's `even_batches=True`). Each step packs `--batch` documents
 (Python standard-library docstrings, byte-tokenized) per replica: `--collator flatten`
 gives one padding-free row (DataCollatorWithFlattening), `--collator pad` padded rows.
 Prints one JSON line per logged step; `--save PATH` writes the final parameters (rank 0).
@@ -20,6 +24,7 @@ import random
 import tempfile
 
 import torch
+from launch import one_line_errors, require_torchrun
 
 VOCAB = 257
 
@@ -81,11 +86,14 @@ def training_arguments(args: argparse.Namespace, output_dir: str, replicas: int 
     names = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
     prefix = "activation" if "activation_checkpointing" in names else "gradient"  # transformers 5.x renamed it
     checkpointing = {f"{prefix}_checkpointing": args.checkpointing, f"{prefix}_checkpointing_kwargs": {"use_reentrant": False}}
+    length = {"max_steps": args.steps} if args.epochs is None else {"num_train_epochs": args.epochs}
     return transformers.TrainingArguments(
         output_dir=output_dir, per_device_train_batch_size=args.batch * replicas,
-        per_device_eval_batch_size=args.batch * replicas, gradient_accumulation_steps=args.accum, max_steps=args.steps,
+        per_device_eval_batch_size=(args.eval_batch or args.batch) * replicas, gradient_accumulation_steps=args.accum,
         learning_rate=3e-3, logging_steps=1, save_strategy="no", report_to="none", bf16=args.bf16, seed=0, data_seed=0,
-        dataloader_drop_last=True, use_cpu=not torch.cuda.is_available(), disable_tqdm=True, **checkpointing,
+        dataloader_drop_last=args.drop_last, use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
+        include_num_input_tokens_seen="all", accelerator_config={"even_batches": not args.uneven_batches},
+        **length, **checkpointing,
     )
 
 
@@ -94,8 +102,9 @@ def build_trainer(args: argparse.Namespace, output_dir: str):
     import transformers
 
     collator = transformers.DataCollatorWithFlattening() if args.collator == "flatten" else pad_collator
-    train = IterableDocuments(documents()) if args.iterable else documents()
-    common = dict(model=tiny_llama(), train_dataset=train, eval_dataset=documents(24, seed=1), data_collator=collator)
+    train = IterableDocuments(documents(args.train_docs)) if args.iterable else documents(args.train_docs)
+    common = dict(model=tiny_llama(), train_dataset=train, eval_dataset=documents(args.eval_docs, seed=1),
+                  data_collator=collator)
     if args.cp == 0:
         common["model"].set_attn_implementation("sdpa")
         return transformers.Trainer(args=training_arguments(args, output_dir, replicas=args.dp), **common)
@@ -107,15 +116,18 @@ def build_trainer(args: argparse.Namespace, output_dir: str):
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Train, evaluate; return the logged losses, grad norms, eval loss and the final parameters."""
+    """Train, evaluate, predict; return the logged losses, grad norms and token counts, the eval loss,
+    the final parameters and (with `--predict`) the predicted logits of the eval documents."""
     with tempfile.TemporaryDirectory() as tmp:
         trainer = build_trainer(args, tmp)
         trainer.train()
         metrics = trainer.evaluate() if args.evaluate else {}
+        predicted = trainer.predict(trainer.eval_dataset).predictions if args.predict else None
     logs = [e for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
     params = torch.cat([p.detach().float().reshape(-1) for p in trainer.model.parameters()])
     return {"loss": [e["loss"] for e in logs], "grad_norm": [e.get("grad_norm") for e in logs],
-            "eval_loss": metrics.get("eval_loss"), "params": params}
+            "tokens_seen": [e.get("num_input_tokens_seen") for e in logs], "eval_loss": metrics.get("eval_loss"),
+            "params": params, "predictions": None if predicted is None else torch.as_tensor(predicted)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -123,7 +135,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cp", type=int, default=2, help="ranks per CP group; 0 = transformers' Trainer without CP")
     p.add_argument("--dp", type=int, default=1, help="with --cp 0: how many dp replicas' batches one step takes")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=None, help="train whole epochs instead of --steps")
+    p.add_argument("--train-docs", type=int, default=96, help="documents in the training set")
+    p.add_argument("--eval-docs", type=int, default=24, help="documents in the evaluation set")
     p.add_argument("--batch", type=int, default=4, help="documents per replica per micro-batch")
+    p.add_argument("--eval-batch", type=int, default=None, help="evaluation documents per replica (default --batch)")
+    p.add_argument("--drop-last", action="store_true", help="dataloader_drop_last=True (drop a short last batch)")
+    p.add_argument("--uneven-batches", action="store_true", help="accelerate's even_batches=False")
     p.add_argument("--accum", type=int, default=2, help="gradient accumulation steps")
     p.add_argument("--collator", choices=("flatten", "pad"), default="flatten")
     p.add_argument("--layout", choices=("contiguous", "balanced"), default="balanced")
@@ -131,23 +149,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--evaluate", action="store_true")
+    p.add_argument("--predict", action="store_true", help="also predict the eval documents (logits kept)")
     p.add_argument("--iterable", action="store_true", help="stream the documents (an iterable dataset)")
-    p.add_argument("--save", default=None, help="write the final parameters here (rank 0)")
+    p.add_argument("--save", default=None, help="write the final parameters here (rank 0; predictions beside them)")
     return p.parse_args(argv)
 
 
+@one_line_errors
 def main() -> None:
     args = parse_args()
+    if args.cp > 1:
+        require_torchrun(args.cp)
     torch.set_num_threads(1)
     result = run(args)
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0:
-        for step, (loss, norm) in enumerate(zip(result["loss"], result["grad_norm"]), start=1):
-            print(json.dumps({"step": step, "loss": loss, "grad_norm": norm}), flush=True)
+        for step, (loss, norm, seen) in enumerate(zip(result["loss"], result["grad_norm"], result["tokens_seen"]), 1):
+            print(json.dumps({"step": step, "loss": loss, "grad_norm": norm, "tokens_seen": seen}), flush=True)
         if result["eval_loss"] is not None:
             print(json.dumps({"eval_loss": result["eval_loss"]}), flush=True)
         if args.save:
             torch.save(result["params"], args.save)
+            if result["predictions"] is not None:
+                torch.save(result["predictions"], f"{args.save}.predictions")
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # every rank is past its last collective before teardown
 

@@ -22,6 +22,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from launch import one_line_errors, require_torchrun  # noqa: E402
 from train_trainer import documents, tiny_llama  # noqa: E402  (the same tiny model and documents)
 
 
@@ -44,7 +45,8 @@ def build_trainer(args: argparse.Namespace, output_dir: str):
     replicas = args.dp if args.cp == 0 else 1  # without CP, one process takes every replica's rows
     config = trl.SFTConfig(
         output_dir=output_dir, packing=True, max_length=args.max_length, per_device_train_batch_size=args.batch * replicas,
-        gradient_accumulation_steps=args.accum, max_steps=args.steps, learning_rate=3e-3, logging_steps=1,
+        gradient_accumulation_steps=args.accum, learning_rate=3e-3, logging_steps=1,
+        **({"max_steps": args.steps} if args.epochs is None else {"num_train_epochs": args.epochs}),
         save_strategy="no", report_to="none", bf16=args.bf16, seed=0, data_seed=0, use_cpu=not torch.cuda.is_available(),
         disable_tqdm=True,
     )
@@ -67,7 +69,8 @@ def run(args: argparse.Namespace) -> dict:
         trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
     params = torch.cat([p.detach().float().reshape(-1) for p in trainer.model.parameters()])
-    return {"loss": [e["loss"] for e in logs], "grad_norm": [e.get("grad_norm") for e in logs], "params": params}
+    return {"loss": [e["loss"] for e in logs], "grad_norm": [e.get("grad_norm") for e in logs],
+            "num_tokens": [e.get("num_tokens") for e in logs], "params": params}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -75,6 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cp", type=int, default=2, help="ranks per CP group; 0 = SFTTrainer without CP")
     p.add_argument("--dp", type=int, default=1, help="with --cp 0: how many dp replicas' batches one step takes")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=None, help="train whole epochs instead of --steps")
     p.add_argument("--batch", type=int, default=1, help="packed rows per replica per micro-batch")
     p.add_argument("--accum", type=int, default=2)
     p.add_argument("--max-length", type=int, default=512, help="tokens per packed row")
@@ -83,13 +87,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@one_line_errors
 def main() -> None:
     args = parse_args()
+    if args.cp > 1:
+        require_torchrun(args.cp)
     torch.set_num_threads(1)
     result = run(args)
     if int(os.environ.get("RANK", "0")) == 0:
-        for step, (loss, norm) in enumerate(zip(result["loss"], result["grad_norm"]), start=1):
-            print(json.dumps({"step": step, "loss": loss, "grad_norm": norm}), flush=True)
+        for step, (loss, norm, tokens) in enumerate(zip(result["loss"], result["grad_norm"], result["num_tokens"]), 1):
+            print(json.dumps({"step": step, "loss": loss, "grad_norm": norm, "num_tokens": tokens}), flush=True)
         if args.save:
             torch.save(result["params"], args.save)
     if torch.distributed.is_initialized():

@@ -30,26 +30,53 @@ def example(name):
     return module
 
 
-def torchrun(nproc, script, *args, timeout=300):
+def torchrun(nproc, script, *args, timeout=300, check=True):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(EXAMPLES / script), *args]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if not check:
+        return result
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{\"")]
 
 
-def assert_same_run(cp_lines, reference, params_path, loss_tol, param_tol):
-    steps = [e for e in cp_lines if "step" in e]
-    assert len(steps) == len(reference["loss"]) >= 4, (steps, reference["loss"])
-    for got, want in zip(steps, reference["loss"]):
-        assert abs(got["loss"] - want) <= loss_tol * abs(want), (steps, reference["loss"])
-    for got, want in zip(steps, reference["grad_norm"]):
-        assert abs(got["grad_norm"] - want) <= 50 * loss_tol * abs(want), (steps, reference["grad_norm"])
-    evals = [e["eval_loss"] for e in cp_lines if "eval_loss" in e]
+def logged_run(lines, params_path):
+    """What `run` returns, from the JSON lines and files a torchrun of an example wrote."""
+    steps = [e for e in lines if "step" in e]
+    evals = [e["eval_loss"] for e in lines if "eval_loss" in e]
+    predictions = pathlib.Path(f"{params_path}.predictions")
+    return {"loss": [e["loss"] for e in steps], "grad_norm": [e["grad_norm"] for e in steps],
+            "tokens_seen": [e.get("tokens_seen") for e in steps], "num_tokens": [e.get("num_tokens") for e in steps],
+            "eval_loss": evals[0] if evals else None, "params": torch.load(params_path),
+            "predictions": torch.load(predictions) if predictions.exists() else None}
+
+
+def assert_same_predictions(got, want, lengths):
+    """Row i holds eval document i (``lengths[i]`` tokens): equal there; after it, CP's -100 fill."""
+    assert got.shape == want.shape, (got.shape, want.shape)
+    for i, n in enumerate(lengths[: got.shape[0]]):
+        torch.testing.assert_close(got[i, :n], want[i, :n], rtol=1e-4, atol=1e-4)
+        assert bool((got[i, n:] == -100).all()), f"row {i}: padding positions are not filled with -100"
+
+
+def assert_same_run(cp_lines, reference, params_path, loss_tol, param_tol, eval_lengths=None):
+    got = logged_run(cp_lines, params_path)
+    assert len(got["loss"]) == len(reference["loss"]) >= 4, (got["loss"], reference["loss"])
+    for a, b in zip(got["loss"], reference["loss"]):
+        assert abs(a - b) <= loss_tol * abs(b), (got["loss"], reference["loss"])
+    for a, b in zip(got["grad_norm"], reference["grad_norm"]):
+        assert abs(a - b) <= 50 * loss_tol * abs(b), (got["grad_norm"], reference["grad_norm"])
+    for key in ("tokens_seen", "num_tokens"):  # counted once per replica: real tokens, not CP's row padding
+        if reference.get(key) is not None and any(v is not None for v in reference[key]):
+            assert got[key] == reference[key], (key, got[key], reference[key])
     if reference.get("eval_loss") is not None:
-        assert evals and abs(evals[0] - reference["eval_loss"]) <= loss_tol * reference["eval_loss"]
-    params = torch.load(params_path)
-    relative = float((params - reference["params"]).norm() / reference["params"].norm())
+        assert got["eval_loss"] is not None and abs(got["eval_loss"] - reference["eval_loss"]) <= loss_tol * reference["eval_loss"]
+    if reference.get("predictions") is not None:
+        if eval_lengths is None:
+            torch.testing.assert_close(got["predictions"], reference["predictions"], rtol=1e-4, atol=1e-4)
+        else:
+            assert_same_predictions(got["predictions"], reference["predictions"], eval_lengths)
+    relative = float((got["params"] - reference["params"]).norm() / reference["params"].norm())
     assert relative <= param_tol, relative
 
 
@@ -70,6 +97,33 @@ def test_trainer_equals_the_run_without_cp(tmp_path, nproc, cp, flags):
     assert_same_run(cp_lines, reference, tmp_path / "p.pt", loss_tol=2e-4, param_tol=1e-5)
 
 
+#: whole epochs over sets that do not divide into batches: short last train and eval batches, with the
+#: Trainer's defaults (dataloader_drop_last=False, accelerate's even_batches=True)
+PARTIAL = ["--train-docs", "30", "--batch", "4", "--accum", "2", "--eval-docs", "7", "--eval-batch", "3",
+           "--evaluate", "--predict"]
+
+
+def test_partial_last_batches_at_dp1_equal_the_run_without_cp(tmp_path):
+    """dp=1 x cp=2, a stream: without CP one process reads every batch as it comes, the short last
+    one too (no samples repeated from the start); eval loss and predicted logits are the unsharded run's."""
+    trainer_example = example("train_trainer")
+    common = [*PARTIAL, "--iterable", "--steps", "6"]  # a stream has no length: steps cross the epoch's end
+    cp_lines = torchrun(2, "train_trainer.py", "--cp", "2", "--save", str(tmp_path / "p.pt"), *common)
+    reference = trainer_example.run(trainer_example.parse_args(["--cp", "0", *common]))
+    assert_same_run(cp_lines, reference, tmp_path / "p.pt", loss_tol=2e-6, param_tol=1e-6)
+
+
+def test_partial_last_batches_at_dp2_equal_plain_ddp(tmp_path):
+    """dp=2 x cp=2 against plain DDP on 2 processes (accelerate completes the short last batches the
+    same way in both), padded rows: train, eval loss and the gathered, unsharded predictions."""
+    common = [*PARTIAL, "--epochs", "2", "--collator", "pad"]
+    cp_lines = torchrun(4, "train_trainer.py", "--cp", "2", "--save", str(tmp_path / "p.pt"), *common)
+    ddp_lines = torchrun(2, "train_trainer.py", "--cp", "0", "--save", str(tmp_path / "ddp.pt"), *common)
+    reference = logged_run(ddp_lines, tmp_path / "ddp.pt")
+    lengths = [len(d["input_ids"]) for d in example("train_trainer").documents(7, seed=1)]
+    assert_same_run(cp_lines, reference, tmp_path / "p.pt", loss_tol=2e-6, param_tol=1e-6, eval_lengths=lengths)
+
+
 def test_trainer_bf16_autocast_on_a_stream_equals_the_run_without_cp(tmp_path):
     """dp=2 x cp=2, bf16 autocast, an iterable dataset (sharded over the dp replicas only)."""
     trainer_example = example("train_trainer")
@@ -80,9 +134,10 @@ def test_trainer_bf16_autocast_on_a_stream_equals_the_run_without_cp(tmp_path):
 
 
 def test_trl_sft_packing_equals_the_run_without_cp(tmp_path):
+    """A whole epoch of packed rows in batches of 5 (a short last batch); TRL's logged num_tokens too."""
     pytest.importorskip("trl")
     sft_example = example("train_trl_sft")
-    common = ["--steps", "4", "--accum", "2"]
+    common = ["--epochs", "1", "--batch", "5", "--accum", "1"]
     cp_lines = torchrun(2, "train_trl_sft.py", "--cp", "2", "--save", str(tmp_path / "p.pt"), *common)
     reference = sft_example.run(sft_example.parse_args(["--cp", "0", *common]))
     assert_same_run(cp_lines, reference, tmp_path / "p.pt", loss_tol=2e-4, param_tol=1e-5)

@@ -98,7 +98,7 @@ def make_cp_blockdiag_batch_and_ctx(
     if isinstance(packed, torch.Tensor) and packed.dim() == 1:
         batch["_packed_seq_ids"] = packed.unsqueeze(0)
     try:
-        seq_dims = _check_seq_dims(seq_dims)
+        seq_dims = check_seq_dims(seq_dims)
         _, S, device = _check_batch(batch, seq_dims)
         doc_ids_1S = resolve_doc_ids(batch, S, device, 1)
         problem = config.ulysses_problem(world)
@@ -195,7 +195,7 @@ def _seq_dim(key: str, tensor: torch.Tensor) -> int:
     return 2 if key == "position_ids" and tensor.dim() == 3 else 1
 
 
-def _check_seq_dims(seq_dims: Optional[Mapping[str, int]]) -> dict[str, int]:
+def check_seq_dims(seq_dims: Optional[Mapping[str, int]]) -> dict[str, int]:
     if seq_dims is None:
         return {}
     if not isinstance(seq_dims, Mapping) or not all(isinstance(k, str) for k in seq_dims):

@@ -1,40 +1,48 @@
 """transformers integration: importing this module registers ``attn_implementation="blockdiag_cp"``.
 
-The only module that imports transformers (``pip install blockdiag-cp[hf]``). It
-uses transformers' public registries, ``AttentionInterface`` and
-``AttentionMaskInterface``; nothing of transformers or torch is monkeypatched.
+It registers an attention function and a mask function through transformers' public
+registries, ``AttentionInterface`` and ``AttentionMaskInterface``
+(``pip install blockdiag-cp[hf]``); nothing of transformers or torch is monkeypatched.
 
 - Inside a CP step (``with train_ctx():``) attention is block-diagonal CP attention
   and no mask is built at all.
-- Outside a step, a single row (documents marked by ``cu_seq_lens_q`` or by
-  ``position_ids`` that do not step by +1, as ``DataCollatorWithFlattening`` makes
-  them, else one document; a padding ``attention_mask`` is honoured too) still gets
-  per-document attention, planned once per forward (the first layer plans, the others
-  reuse it); batches of several rows and cached decoding get stock SDPA with the mask
-  transformers builds for them.
+- Outside a step, one row whose keys are exactly its queries (no cache, or a fresh
+  one) still gets per-document attention: documents marked by ``cu_seq_lens_q`` or by
+  ``position_ids`` that do not step by +1, as ``DataCollatorWithFlattening`` makes them,
+  else one document; the padding of a ``[1, 1, S, S]`` mask transformers built for the
+  row is honoured too. It is planned once per forward (the first layer plans, the
+  others reuse it). Without an ``attention_mask`` such a row gets no mask at all.
+- Every other call outside a step (several rows, a cache holding earlier tokens:
+  static caches, decoding, chunked prefill) is transformers' ``sdpa``: the mask is
+  ``sdpa_mask`` and attention is ``sdpa_attention_forward``, unchanged.
 - Each layer's sliding window (``sliding_window``), logit softcap (``softcap``) and
   attention sinks (``s_aux``) are honoured per document: Mistral, Qwen2, Gemma 2 and
-  3, gpt-oss.
+  3, gpt-oss. Softcap and sinks have no SDPA form, so the ``sdpa`` calls refuse them.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention import LayerFeatures, attend_in_step, autocast_inputs, cp_blockdiag_sdpa, refuse_late_recompute
 from .config import CPConfig
 from .doc_ids import block_causal_mask, resolve_doc_ids
+from .mixers import refuse_unrouted_mixers, unrouted_config_mixers
 from .slot import STEP_SLOT, current_step
 from .state import StepState, build_step_state
 from .vlm import make_cp_vlm_batch_and_ctx  # noqa: F401  (the VLM entry, public here)
 from .vlm import model_inputs as vlm_model_inputs  # noqa: F401
 
 ATTN_IMPLEMENTATION = "blockdiag_cp"
+#: when the in-step refusal of unrouted token mixers runs, for its message
+IN_STEP = "inside a CP step"
+_SDPA_MASK_SIGNATURE = inspect.signature(sdpa_mask)
 
 
 def layer_features(module: torch.nn.Module, kwargs: dict[str, Any]) -> LayerFeatures:
@@ -82,7 +90,9 @@ def _check_mask_is_causal_within_documents(mask_SS: torch.Tensor, doc_ids_S: tor
 
 def _row_state(query: torch.Tensor, key: torch.Tensor, attention_mask, window, kwargs) -> Optional[StepState]:
     """The one-rank step state of a single row outside a step (its packed documents, or one),
-    planned once per forward; None for batches of several rows or with a cache (q_len != k_len)."""
+    planned once per forward; None unless this is one row whose keys are exactly its queries
+    (``query [1, H, S, D]``, ``key [1, Hk, S, D]``, a mask None or ``[1, 1, S, S]``): batches of
+    several rows and caches holding earlier tokens are SDPA's."""
     S = query.shape[2]
     if query.shape[0] != 1 or key.shape[2] != S:
         return None
@@ -107,9 +117,17 @@ def blockdiag_cp_attention(
     scaling: Optional[float] = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: ``query [B, H, S, D]`` -> ``([B, S, H, D], None)``."""
+    """transformers attention function: ``query [B, H, S, D]``, ``key``/``value [B, Hk, K, D]``
+    -> ``([B, S, H, D], None)``.
+
+    Inside a step: block-diagonal CP attention. Outside: one row whose keys are its queries
+    (``_row_state``) gets per-document attention; anything else is transformers' own
+    ``sdpa_attention_forward`` with the mask transformers built (`attention_mask`, from
+    ``blockdiag_cp_mask``), softcap and sinks refused.
+    """
     state = current_step()
     if state is not None:
+        refuse_unrouted_mixers(getattr(module, "config", None), IN_STEP)
         if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
             raise ValueError(
                 f"{type(module).__name__} is not causal (e.g. a vision encoder); inside a CP step blockdiag_cp "
@@ -122,23 +140,28 @@ def blockdiag_cp_attention(
         return out.transpose(1, 2).contiguous(), None
     refuse_late_recompute(query, key, value)
     features = layer_features(module, kwargs)
-    causal = getattr(module, "is_causal", True)
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
     local = _row_state(query, key, attention_mask, features.sliding_window, kwargs) if causal else None
     if local is not None:
+        _refuse_unrouted_on_packed_row(module, local)
         query, key, value = autocast_inputs(query, key, value)
         out = attend_in_step(local, query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=True,
                              features=features)
         return out.transpose(1, 2).contiguous(), None
     _refuse_beyond_sdpa(module, kwargs)
-    q_len, kv_len = query.shape[2], key.shape[2]
-    if attention_mask is None and q_len > 1 and getattr(module, "is_causal", True):
-        # causal, aligned bottom-right (queries are the last q_len positions, as with a cache)
-        attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-        scale=scaling, enable_gqa=key.shape[1] != query.shape[1],
-    )
-    return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
+
+
+def _refuse_unrouted_on_packed_row(module: torch.nn.Module, local: StepState) -> None:
+    """`ValueError` if the model has token mixers outside attention and the row holds several documents
+    (their state would cross document boundaries; one document is what they compute right)."""
+    config = getattr(module, "config", None)
+    if unrouted_config_mixers(config):
+        ids = local.geometry.doc_ids
+        if int((ids.unique() != 0).sum()) > 1:
+            refuse_unrouted_mixers(config, "on a packed row (several documents) outside a CP step")
 
 
 def _refuse_beyond_sdpa(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
@@ -155,13 +178,35 @@ def _refuse_beyond_sdpa(module: torch.nn.Module, kwargs: dict[str, Any]) -> None
 
 
 def blockdiag_cp_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
-    """Mask function: none inside a step or for one unpadded row (the attention derives
-    documents itself); SDPA's mask for padded or multi-row batches."""
+    """Mask function, called as transformers calls ``sdpa_mask`` (same arguments).
+
+    None inside a step, and for a call that may be one packed row (`_may_be_packed_row`): the
+    attention derives its documents itself. Otherwise exactly ``sdpa_mask(*args, **kwargs)``
+    (a ``[B, 1, q_length, kv_length]`` boolean mask, or None where SDPA's ``is_causal`` does).
+    """
     if current_step() is not None:
+        refuse_unrouted_mixers(kwargs.get("config"), IN_STEP)
         return None
-    if kwargs.get("attention_mask") is None and kwargs.get("batch_size") == 1:
+    call = _SDPA_MASK_SIGNATURE.bind(*args, **kwargs)
+    call.apply_defaults()
+    if _may_be_packed_row(call.arguments):
         return None
     return sdpa_mask(*args, **kwargs)
+
+
+def _may_be_packed_row(call: dict[str, Any]) -> bool:
+    """Whether the ``sdpa_mask`` arguments `call` describe one row without an ``attention_mask``
+    whose keys are exactly its queries: no cache, or a fresh one (the first forward into a
+    DynamicCache, as ``model(input_ids)`` makes with ``use_cache`` on; its prefill with
+    ``position_ids`` 0..n-1 is one document, i.e. causal SDPA). Sizes only, no host sync: a
+    static cache's tensor ``q_offset`` is not read (its ``kv_length`` is the cache length, so
+    the keys are the queries only when the queries fill the whole cache from position 0)."""
+    if call["batch_size"] != 1 or call["attention_mask"] is not None:
+        return False
+    if call["kv_length"] != call["q_length"] or call["kv_offset"] != 0:
+        return False
+    q_offset = call["q_offset"]
+    return isinstance(q_offset, torch.Tensor) or q_offset == 0
 
 
 def register() -> str:

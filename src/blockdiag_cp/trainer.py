@@ -37,21 +37,44 @@ before sharding, so a shard's last token still predicts the next shard's first.
 Forward *and* backward (with gradient-checkpointing recompute) run inside the CP step:
 the Trainer's own ``_prepare_context_parallel_inputs`` hook returns our step context,
 and ``training_step`` / ``prediction_step`` run the model and ``backward`` inside it.
+
+Note [Every dp replica sees the batches it would see without CP]
+----------------------------------------------------------------
+accelerate prepares each dataloader for ``world = dp x cp`` processes; the ``cp`` ranks
+of a replica must instead read what that replica reads in the run without CP, where
+accelerate shards over ``dp`` processes only. `_shard_over_dp` re-points accelerate's
+shards (as transformers itself does for its rank-aware sampler): ``num_processes = dp``,
+``process_index = dp rank``. With one replica, the run without CP does not shard at all,
+so the shards pass batches through (no completion of a short last batch by samples from
+the start, which ``even_batches`` does for several processes). ``even_batches=False``
+with several replicas and a short last batch would leave replicas with fewer batches
+waiting in the gradient all-reduce (plain DDP hangs the same way): refused.
+
+Evaluation gathers per-batch losses (and logits, labels) over the world with
+``gather_for_metrics``, which trims the last batch to the dataset's remainder. Under CP,
+`prediction_step` first makes each CP rank hold its replica's value (the mean of the
+CP ranks' losses, the unsharded logits in the collator's ``[B, S, ...]`` rows), and the
+gather keeps one CP rank per replica before trimming, so the gathered tensors are those
+of the run without CP.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 import transformers
 
 from . import hf  # noqa: F401  (registers attn_implementation="blockdiag_cp")
-from .batch import make_cp_blockdiag_batch_and_ctx
+from .batch import TrainCtx, check_seq_dims, make_cp_blockdiag_batch_and_ctx
 from .config import CPConfig
 from .errors import CPTypeError
+from .gather import gather_sequence
+from .mixers import refuse_unrouted_mixers
 from .rows import flatten_rows
 
 logger = logging.getLogger(__name__)
@@ -65,6 +88,29 @@ if not all(hasattr(transformers.Trainer, hook) for hook in ("get_cp_size", "_pre
 #: keys the step adds for its own bookkeeping; the model never sees them
 STEP_ONLY_KEYS = ("_packed_seq_ids", "padding_mask")
 
+#: (module, class) of the transformers / TRL trainers whose batches are language-model rows
+#: (token ids with per-token labels), the only batches the mixin shards
+SUPPORTED_TRAINERS = frozenset({
+    ("transformers.trainer", "Trainer"),
+    ("trl.trainer.base_trainer", "_BaseTrainer"),
+    ("trl.trainer.sft_trainer", "SFTTrainer"),
+})
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """The CP step of one batch and the collator's row shape, to unshard what the model returns.
+
+    Attributes:
+        ctx: the step (``ctx.state`` plans it).
+        rows: ``(B, S)`` of the batch before `flatten_rows` made it one row ``[1, B * S]``.
+        padding_mask: this rank's ``[1, L]`` mask of the step (True = padding).
+    """
+
+    ctx: TrainCtx
+    rows: tuple[int, int]
+    padding_mask: torch.Tensor
+
 
 class BlockDiagCPMixin:
     """Block-diagonal context parallelism for any `transformers.Trainer` subclass.
@@ -73,23 +119,35 @@ class BlockDiagCPMixin:
         cp_size: ranks per CP group (must divide the world size); 1 = data parallel
             only, still with per-document attention on packed rows.
         cp_config: `CPConfig` for every step (exchange, kernel, layout).
+        seq_dims: extra sequence-aligned batch keys and their sequence dimension,
+            passed to `make_cp_blockdiag_batch_and_ctx` (e.g. ``{"per_layer_inputs": 1}``).
         *args, **kwargs: passed to the Trainer unchanged.
 
-    Every CP rank of a dp replica gets the same batches in the same order; each batch
-    is flattened to one packed row (`flatten_rows`) and sharded with
-    `make_cp_blockdiag_batch_and_ctx`; the loss, the logged loss and the gradients are
-    those of the run without CP (Note [The loss under CP equals the loss without CP]).
+    Every CP rank of a dp replica gets the batches that replica gets without CP, in the
+    same order (Note [Every dp replica sees the batches it would see without CP]); each
+    batch is flattened to one packed row (`flatten_rows`) and sharded with
+    `make_cp_blockdiag_batch_and_ctx`; the loss, the logged loss, the gradients and the
+    evaluation results are those of the run without CP (Note [The loss under CP equals
+    the loss without CP]). Trainers whose batches are not language-model rows (TRL's
+    DPO, GRPO, KTO, reward, ...) and models with token mixers outside attention are
+    refused at construction.
     """
 
-    def __init__(self, *args: Any, cp_size: int = 1, cp_config: Optional[CPConfig] = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, cp_size: int = 1, cp_config: Optional[CPConfig] = None,
+        seq_dims: Optional[Mapping[str, int]] = None, **kwargs: Any,
+    ) -> None:
         if isinstance(cp_size, bool) or not isinstance(cp_size, int):
             raise CPTypeError(f"cp_size must be an int, got {type(cp_size).__name__}")
         if cp_size < 1:
             raise ValueError(f"cp_size must be >= 1, got {cp_size}")
         if cp_config is not None and not isinstance(cp_config, CPConfig):
             raise CPTypeError(f"cp_config must be a CPConfig, got {type(cp_config).__name__}")
+        self.seq_dims = check_seq_dims(seq_dims)
+        _refuse_unsupported_trainer(type(self))
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         _refuse_accelerate_cp(getattr(training_args, "parallelism_config", None))
+        _refuse_rank_aware_sampler(training_args, cp_size)
         _no_batch_dispatch(training_args)
         super().__init__(*args, **kwargs)
         _refuse_accelerate_cp(getattr(self.accelerator, "parallelism_config", None))  # e.g. from an accelerate YAML
@@ -98,7 +156,10 @@ class BlockDiagCPMixin:
             raise ValueError(f"cp_size={cp_size} must divide the world size {world} (world = dp x cp)")
         self.cp_size, self.cp_config = cp_size, CPConfig() if cp_config is None else cp_config
         self.dp_size = world // cp_size
+        _refuse_uneven_replicas(self.accelerator.even_batches, self.args.dataloader_drop_last, self.dp_size)
+        refuse_unrouted_mixers(self.model, f"in {type(self).__name__} (packed rows{' under CP' if cp_size > 1 else ''})")
         self.cp_mesh, self.dp_rank = _cp_mesh(self.dp_size, cp_size, self.args.device)
+        self._cp_step: Optional[StepRows] = None
         _use_blockdiag_attention(self.model)
 
     # -- the Trainer's hooks ------------------------------------------------------------
@@ -108,32 +169,131 @@ class BlockDiagCPMixin:
         return self.cp_size
 
     def get_train_dataloader(self):
-        return _shard_over_dp(super().get_train_dataloader(), self.dp_size, self.dp_rank)
+        return _shard_over_dp(super().get_train_dataloader(), self.dp_size, self.dp_rank, self.cp_size)
 
     def get_eval_dataloader(self, *args: Any, **kwargs: Any):
-        return _shard_over_dp(super().get_eval_dataloader(*args, **kwargs), self.dp_size, self.dp_rank)
+        return _shard_over_dp(super().get_eval_dataloader(*args, **kwargs), self.dp_size, self.dp_rank, self.cp_size)
+
+    def get_test_dataloader(self, *args: Any, **kwargs: Any):
+        return _shard_over_dp(super().get_test_dataloader(*args, **kwargs), self.dp_size, self.dp_rank, self.cp_size)
 
     def _prepare_context_parallel_inputs(self, model, inputs):
         """The Trainer's CP hook: flatten, shard and return ``(train_ctx, inputs)``; forward and
         backward of `training_step` (and the loss of `prediction_step`) run inside ``train_ctx()``."""
         batch = {k: v.to(self.args.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        primary = batch.get("input_ids", batch.get("inputs_embeds"))
+        rows = tuple(primary.shape[:2]) if isinstance(primary, torch.Tensor) and primary.dim() >= 2 else (1, 0)
         batch = flatten_rows(batch)
-        train_ctx, batch = make_cp_blockdiag_batch_and_ctx(self.cp_mesh, None, batch, config=self.cp_config)
+        train_ctx, batch = make_cp_blockdiag_batch_and_ctx(self.cp_mesh, None, batch, config=self.cp_config,
+                                                           seq_dims=self.seq_dims)
+        self._cp_step = StepRows(train_ctx, rows, batch["padding_mask"])
         for key in STEP_ONLY_KEYS:
             batch.pop(key, None)
         return train_ctx, batch
 
+    def compute_loss(self, model, inputs, *args: Any, **kwargs: Any):
+        """The Trainer's (or TRL's) loss; TRL's logged ``num_tokens`` then counts the real tokens
+        of the step, not the padding the CP row adds."""
+        counted = getattr(self, "_total_train_tokens", None)
+        result = super().compute_loss(model, inputs, *args, **kwargs)
+        step = self._cp_step
+        if counted is not None and model.training and step is not None and self._total_train_tokens != counted:
+            self._total_train_tokens = counted + _world_sum(int((~step.padding_mask).sum()), self.args.device)
+            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        return result
+
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        if self.compute_metrics is not None and not prediction_loss_only:
-            raise ValueError(
-                "under block-diagonal CP each rank holds a shard of the logits, so compute_metrics cannot see whole "
-                "rows; evaluate the loss only (compute_metrics=None or prediction_loss_only=True)"
-            )
-        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        """The Trainer's prediction step; under CP, each CP rank then holds its replica's loss (the
+        CP ranks' mean) and the unsharded logits, shaped as the collator's rows."""
+        self._cp_step = None
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        step, self._cp_step = self._cp_step, None
+        if step is None or step.ctx.state.world == 1:  # the model ran unsharded (e.g. TRL's SFT prediction step)
+            return loss, logits, labels
+        if loss is not None:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=step.ctx.state.group)
+            loss = loss / step.ctx.state.world
+        if logits is not None:
+            logits = _unshard_rows(logits, step)
+        return loss, logits, labels
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any):
+        """The Trainer's loop, gathering one CP rank per replica (Note [Every dp replica sees ...])."""
+        if self.cp_size > 1:
+            use_objects = getattr(self.args, "eval_use_gather_object", False)
+            self.gather_function = functools.partial(self._gather_over_replicas, use_gather_object=use_objects)
+        return super().evaluation_loop(*args, **kwargs)
+
+    def floating_point_ops(self, inputs) -> int:
+        """This rank's share of the batch's FLOPs: the ``cp`` ranks of a replica split it."""
+        return super().floating_point_ops(inputs) // self.cp_size
+
+    def _track_num_input_tokens(self, inputs) -> None:
+        """``num_input_tokens_seen`` counts each replica's batch once, not once per CP rank."""
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        seen = self.state.num_input_tokens_seen - before
+        self.state.num_input_tokens_seen = before + seen // self.cp_size
+
+    def _gather_over_replicas(self, data, use_gather_object: bool = False):
+        """``gather_for_metrics`` over the dp replicas: the world's gather, one CP rank per replica,
+        then the last batch trimmed to the dataset's remainder."""
+        from accelerate.utils import gather_object, recursively_apply
+
+        if use_gather_object:
+            gathered = gather_object(data if isinstance(data, list) else [data])
+            per_rank = len(gathered) // self.args.world_size
+            data = [x for r in range(0, self.args.world_size, self.cp_size) for x in gathered[r * per_rank:(r + 1) * per_rank]]
+        else:
+            data = recursively_apply(self._first_cp_rank_rows, self.accelerator.gather(data))
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            return data[: state.remainder] if use_gather_object else recursively_apply(lambda t: t[: state.remainder], data)
+        return data
+
+    def _first_cp_rank_rows(self, gathered: torch.Tensor) -> torch.Tensor:
+        """``[world * n, ...]`` gathered in rank order -> ``[dp * n, ...]``: CP rank 0 of each replica."""
+        by_rank = gathered.reshape(self.dp_size, self.cp_size, -1, *gathered.shape[1:])
+        return by_rank[:, 0].reshape(-1, *gathered.shape[1:])
 
 
 class BlockDiagCPTrainer(BlockDiagCPMixin, transformers.Trainer):
     """`transformers.Trainer` with block-diagonal CP (see `BlockDiagCPMixin`)."""
+
+
+def _refuse_unsupported_trainer(cls: type) -> None:
+    """`ValueError` if a transformers or TRL trainer in `cls`'s MRO is not one whose batches are LM rows."""
+    for base in cls.__mro__:
+        library = base.__module__.split(".")[0]
+        if library in ("transformers", "trl") and (base.__module__, base.__qualname__) not in SUPPORTED_TRAINERS:
+            raise ValueError(
+                f"BlockDiagCPMixin does not support {base.__qualname__} ({base.__module__}): its batches are not "
+                "language-model rows (token ids with per-token labels), e.g. chosen/rejected pairs or generated "
+                "completions, so sharding them would be wrong or crash inside the trainer. Supported: "
+                "transformers.Trainer and trl.SFTTrainer (and your own subclasses of them); train this one without "
+                "the mixin."
+            )
+
+
+def _refuse_uneven_replicas(even_batches: bool, drop_last: bool, dp: int) -> None:
+    """`ValueError` where dp replicas could run different numbers of batches (a hang in the all-reduce)."""
+    if dp > 1 and not even_batches and not drop_last:
+        raise ValueError(
+            f"accelerate's even_batches=False with dataloader_drop_last=False over {dp} dp replicas gives replicas "
+            "different numbers of batches when the data does not divide evenly, and the ones with fewer wait forever "
+            "in the gradient all-reduce (plain DDP hangs the same way). Keep even_batches=True (the default) or set "
+            "dataloader_drop_last=True."
+        )
+
+
+def _refuse_rank_aware_sampler(training_args, cp_size: int) -> None:
+    """`ValueError` for samplers that pick each process's batches themselves (they cannot see the CP groups)."""
+    if cp_size > 1 and getattr(training_args, "train_sampling_strategy", None) == "batch_rebalance":
+        raise ValueError(
+            "train_sampling_strategy='batch_rebalance' gives every process its own batches, so the ranks of one CP "
+            "group would hold different rows; use 'random', 'sequential' or 'group_by_length' with cp_size > 1"
+        )
 
 
 def _refuse_accelerate_cp(config) -> None:
@@ -176,20 +336,61 @@ def _use_blockdiag_attention(model) -> None:
         model.set_attn_implementation(hf.ATTN_IMPLEMENTATION)
 
 
-def _shard_over_dp(dataloader, dp: int, dp_rank: int):
-    """Make accelerate's prepared dataloader shard over the dp replicas only.
+def _world_sum(value: int, device: torch.device) -> int:
+    """`value` summed over every process (itself without torch.distributed)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    total = torch.tensor(value, dtype=torch.int64, device=device)
+    dist.all_reduce(total)
+    return int(total)
+
+
+def _unshard_rows(outputs, step: StepRows):
+    """Each ``[1, L, ...]`` tensor of `outputs` (nested) -> the unsharded ``[B, S, ...]`` of the collator's rows.
+
+    Padding positions of the rows (``attention_mask`` 0) attend to nothing under CP, so they
+    hold -100, the Trainer's own fill for predictions (without CP they hold the output of a
+    pad token attending across its row, which no metric should read either).
+    """
+    from accelerate.utils import recursively_apply
+
+    B, S = step.rows
+    state = step.ctx.state
+    padding_S = (state.geometry.doc_ids[: state.plan.seq_len] == 0).to(state.device)
+
+    def unshard(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() < 2 or t.shape[0] != 1 or t.shape[1] != state.plan.local_len:
+            return t
+        full = gather_sequence(t, 1, state=state)
+        return full.masked_fill(padding_S.view(1, -1, *[1] * (t.dim() - 2)), -100).reshape(B, S, *t.shape[2:])
+
+    with torch.no_grad():
+        return recursively_apply(unshard, outputs)
+
+
+def _shard_over_dp(dataloader, dp: int, dp_rank: int, cp: int):
+    """Make accelerate's prepared dataloader shard over the dp replicas only (Note [Every dp replica ...]).
 
     accelerate shards over every process; with CP, the ``cp`` ranks of a replica must
     read the same batches. Its shards keep ``num_processes`` / ``process_index`` as
-    attributes (transformers itself resets them for its rebalancing sampler).
+    attributes (transformers itself resets them for its rank-aware sampler, which is
+    left as it is).
     """
     from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
+    from transformers.trainer_pt_utils import BatchRebalanceSampler
 
-    shards = [getattr(dataloader, "batch_sampler", None), getattr(dataloader, "dataset", None)]
+    if cp == 1 or dataloader is None:
+        return dataloader  # accelerate already shards over the dp replicas
     found = False
-    for shard in shards:
-        if isinstance(shard, (BatchSamplerShard, IterableDatasetShard)):
+    for shard in (getattr(dataloader, "batch_sampler", None), getattr(dataloader, "dataset", None)):
+        if isinstance(shard, BatchSamplerShard) and not isinstance(shard.batch_sampler, BatchRebalanceSampler):
             shard.num_processes, shard.process_index = dp, dp_rank
+            shard.even_batches = shard.even_batches and dp > 1  # one replica: every batch as it comes
+            found = True
+        elif isinstance(shard, IterableDatasetShard):
+            shard.num_processes, shard.process_index = dp, dp_rank
+            if dp == 1:
+                shard.batch_size = 1  # yields each sample as it comes: the DataLoader batches them, a short last one too
             found = True
     if not found and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise ValueError(

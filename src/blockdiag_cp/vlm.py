@@ -42,6 +42,7 @@ from .batch import TrainCtx, make_cp_blockdiag_batch_and_ctx
 from .config import CPConfig
 from .doc_ids import resolve_doc_ids
 from .exchange.collectives import AllGatherRows
+from .mixers import refuse_unrouted_mixers
 
 @dataclass(frozen=True)
 class Modality:
@@ -176,6 +177,7 @@ def make_cp_vlm_batch_and_ctx(
         `model_inputs` picks them. ``train_ctx.state.call_notes.vision`` reports the
         vision patches and estimated FLOPs per rank.
     """
+    refuse_unrouted_mixers(model, "in make_cp_vlm_batch_and_ctx")
     core = vlm_core(model)
     input_ids = batch.get("input_ids")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
