@@ -212,3 +212,44 @@ def test_flatten_rows_keeps_documents_inside_rows():
     assert flat["shift_labels"].tolist() == [[6, 7, -100, -100, 9, -100, -100, -100]]  # no target crosses a row
     assert flat["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
     assert "attention_mask" not in flat
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
+def batches_and_remainder(loader):
+    """The index batches a prepared loader yields, and the remainder accelerate computed for it."""
+    out, remainder = [], None
+    for batch in loader:
+        out.append(batch.tolist())
+        remainder = loader.remainder
+    return out, remainder
+
+
+@pytest.mark.parametrize("iterable", [False, True], ids=["map", "stream"])
+@pytest.mark.parametrize("dp, cp", [(1, 2), (1, 3), (2, 2)])
+@pytest.mark.parametrize("even_batches", [True, False])
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("n", [7, 12])
+def test_every_cp_rank_reads_what_its_replica_reads_without_cp(iterable, dp, cp, even_batches, drop_last, n):
+    """accelerate's loader prepared for dp x cp processes, re-pointed by the mixin, yields exactly the
+    batches (and the remainder gather_for_metrics trims to) of the loader prepared for dp processes."""
+    from accelerate.data_loader import prepare_data_loader
+
+    from blockdiag_cp.trainer import _shard_over_dp
+
+    def raw():
+        data = Stream(n) if iterable else list(range(n))
+        return torch.utils.data.DataLoader(data, batch_size=3, drop_last=drop_last)
+
+    for rank in range(dp * cp):
+        dp_rank = rank // cp
+        ours = _shard_over_dp(prepare_data_loader(raw(), num_processes=dp * cp, process_index=rank,
+                                                  even_batches=even_batches), dp, dp_rank, cp)
+        without_cp = prepare_data_loader(raw(), num_processes=dp, process_index=dp_rank, even_batches=even_batches)
+        assert batches_and_remainder(ours) == batches_and_remainder(without_cp), (rank, dp_rank)

@@ -1,0 +1,125 @@
+"""What the Trainer mixin refuses, and how the examples fail: a clear ValueError at construction, one line.
+
+Each refusal stands where the run would otherwise be silently different from the run
+without CP, hang, or crash deep inside a trainer.
+"""
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from blockdiag_cp.trainer import BlockDiagCPMixin, BlockDiagCPTrainer, _refuse_uneven_replicas  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+def example(name):
+    sys.path.insert(0, str(EXAMPLES))
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def trainer_example():
+    return example("train_trainer")
+
+
+def arguments(trainer_example, tmp_path, **changes):
+    args = trainer_example.training_arguments(trainer_example.parse_args([]), str(tmp_path))
+    for name, value in changes.items():
+        setattr(args, name, value)
+    return args
+
+
+@pytest.mark.parametrize("name", ["DPOTrainer", "GRPOTrainer", "KTOTrainer", "RewardTrainer", "RLOOTrainer"])
+def test_trainers_whose_batches_are_not_lm_rows_are_refused_by_name(name):
+    trl = pytest.importorskip("trl")
+    mixed = type(f"CP{name}", (BlockDiagCPMixin, getattr(trl, name)), {})
+    with pytest.raises(ValueError, match=f"does not support {name}"):
+        mixed(model=None, args=None, cp_size=2)  # refused before the trainer's own __init__ runs
+
+
+def test_seq2seq_trainer_is_refused_and_user_subclasses_are_not(trainer_example, tmp_path):
+    with pytest.raises(ValueError, match="does not support Seq2SeqTrainer"):
+        type("CPSeq2Seq", (BlockDiagCPMixin, transformers.Seq2SeqTrainer), {})(model=None, args=None)
+    mine = type("MyTrainer", (BlockDiagCPTrainer,), {"compute_loss": BlockDiagCPTrainer.compute_loss})
+    trainer = mine(model=trainer_example.tiny_llama(), args=arguments(trainer_example, tmp_path), cp_size=1)
+    assert trainer.cp_size == 1
+
+
+def test_uneven_replicas_that_would_hang_are_refused():
+    with pytest.raises(ValueError, match="even_batches=True"):
+        _refuse_uneven_replicas(even_batches=False, drop_last=False, dp=2)
+    _refuse_uneven_replicas(even_batches=False, drop_last=True, dp=2)  # every replica drops the short batch
+    _refuse_uneven_replicas(even_batches=False, drop_last=False, dp=1)  # one replica: nothing to wait for
+    _refuse_uneven_replicas(even_batches=True, drop_last=False, dp=4)
+
+
+def test_a_rank_aware_sampler_is_refused_under_cp(trainer_example, tmp_path):
+    args = arguments(trainer_example, tmp_path, train_sampling_strategy="batch_rebalance")
+    with pytest.raises(ValueError, match="batch_rebalance"):
+        BlockDiagCPTrainer(model=trainer_example.tiny_llama(), args=args, cp_size=2)
+
+
+def test_a_hybrid_model_is_refused_at_construction(trainer_example, tmp_path):
+    config = transformers.Qwen3NextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, head_dim=8, num_experts=0,
+        mlp_only_layers=[0, 1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.Qwen3NextForCausalLM(config)
+    with pytest.raises(ValueError, match="Qwen3NextGatedDeltaNet"):
+        BlockDiagCPTrainer(model=model, args=arguments(trainer_example, tmp_path), cp_size=1)
+
+
+def test_seq_dims_reach_the_batch_and_bad_ones_are_refused(trainer_example, tmp_path):
+    args = arguments(trainer_example, tmp_path)
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 9]]), "labels": torch.tensor([[5, 6, 7, 8, 9]]),
+             "per_layer_inputs": torch.zeros(1, 5, 2, 3)}
+    plain = BlockDiagCPTrainer(model=trainer_example.tiny_llama(), args=args, cp_size=1)
+    with pytest.warns(UserWarning, match="seq_dims"):
+        plain._prepare_context_parallel_inputs(plain.model, dict(batch))
+    told = BlockDiagCPTrainer(model=trainer_example.tiny_llama(), args=args, cp_size=1, seq_dims={"per_layer_inputs": 1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, sharded = told._prepare_context_parallel_inputs(told.model, dict(batch))
+    assert sharded["per_layer_inputs"].shape == (1, 5, 2, 3)
+    with pytest.raises(ValueError, match="non-negative"):
+        BlockDiagCPTrainer(model=trainer_example.tiny_llama(), args=args, cp_size=1, seq_dims={"per_layer_inputs": -1})
+
+
+@pytest.mark.parametrize("script, argv", [("train_fsdp2.py", []), ("train_trainer.py", ["--cp", "2"]),
+                                          ("train_vlm.py", ["--cp", "2"])])
+def test_examples_started_without_torchrun_say_how_in_one_line(script, argv):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    result = subprocess.run([sys.executable, str(EXAMPLES / script), *argv], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT, env=env)
+    assert result.returncode != 0
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1 and "torchrun --standalone --nproc-per-node" in lines[0], lines
+
+
+def test_a_refusal_under_torchrun_is_one_line_from_rank_0():
+    """dp=2 x cp=2 with even_batches=False: every rank refuses at construction, rank 0 says it once."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           str(EXAMPLES / "train_trainer.py"), "--cp", "2", "--uneven-batches"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    ours = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and "even_batches=True" in ours[0], ours
+    assert output.count("ValueError") == 1, output[-3000:]  # no rank's traceback, only torchrun's own summary
