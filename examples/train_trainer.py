@@ -92,7 +92,7 @@ def training_arguments(args: argparse.Namespace, output_dir: str, replicas: int 
         per_device_eval_batch_size=(args.eval_batch or args.batch) * replicas, gradient_accumulation_steps=args.accum,
         learning_rate=3e-3, logging_steps=1, save_strategy="no", report_to="none", bf16=args.bf16, seed=0, data_seed=0,
         dataloader_drop_last=args.drop_last, use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
-        include_num_input_tokens_seen="all", accelerator_config={"even_batches": not args.uneven_batches},
+        include_num_input_tokens_seen="non_padding", accelerator_config={"even_batches": not args.uneven_batches},
         **length, **checkpointing,
     )
 
@@ -127,7 +127,8 @@ def run(args: argparse.Namespace) -> dict:
     params = torch.cat([p.detach().float().reshape(-1) for p in trainer.model.parameters()])
     return {"loss": [e["loss"] for e in logs], "grad_norm": [e.get("grad_norm") for e in logs],
             "tokens_seen": [e.get("num_input_tokens_seen") for e in logs], "eval_loss": metrics.get("eval_loss"),
-            "params": params, "predictions": None if predicted is None else torch.as_tensor(predicted)}
+            "params": params, "predictions": None if predicted is None else torch.as_tensor(predicted),
+            "total_flos": trainer.state.total_flos}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -168,6 +169,7 @@ def main() -> None:
             print(json.dumps({"step": step, "loss": loss, "grad_norm": norm, "tokens_seen": seen}), flush=True)
         if result["eval_loss"] is not None:
             print(json.dumps({"eval_loss": result["eval_loss"]}), flush=True)
+        print(json.dumps({"total_flos": result["total_flos"]}), flush=True)
         if args.save:
             torch.save(result["params"], args.save)
             if result["predictions"] is not None:
