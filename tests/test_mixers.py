@@ -161,3 +161,18 @@ def test_two_hybrid_families_are_refused_on_every_rank_under_cp(family, rank_poo
     messages = rank_pools(2).run(refuse_under_cp, family)
     assert all(m is not None and "inside a CP step" in m for m in messages), messages
     assert messages[0] == messages[1]
+
+
+def test_the_attention_call_itself_refuses_inside_a_step_without_the_mask_function():
+    """A model that calls the attention interface without transformers' mask function is caught there."""
+    from blockdiag_cp.hf import blockdiag_cp_attention
+
+    layer = torch.nn.Module()
+    layer.config, layer.is_causal = build(HYBRIDS["lfm2"]).config, True
+    q = torch.randn(1, 2, 6, 4, dtype=torch.float64)
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": torch.ones(1, 6, dtype=torch.long)})
+    with ctx(), pytest.raises(ValueError, match="Lfm2Config|conv"):
+        blockdiag_cp_attention(layer, q, q, q, None)
+    layer.config = build(ATTENTION_ONLY["llama"]).config
+    with ctx():
+        assert blockdiag_cp_attention(layer, q, q, q, None)[0].shape == (1, 6, 2, 4)

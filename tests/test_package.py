@@ -11,7 +11,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "src" / "blockdiag_cp
 #: Note [Sub-groups made once]: process groups live as long as the process)
 MUTABLE_ALLOWED = {"slot": {"STEP_SLOT"}, "groups": {"SUBGROUPS"}}
 #: calls whose result is immutable (or a logger) at module level
-IMMUTABLE_CALLS = {"MappingProxyType", "frozenset", "tuple", "getLogger", "TypeVar", "getattr"}
+IMMUTABLE_CALLS = {"MappingProxyType", "frozenset", "tuple", "getLogger", "TypeVar", "getattr", "signature"}
 
 
 def modules():

@@ -50,7 +50,7 @@ from .layout import ShardPlan, plan_shards
 from .slot import current_step
 from .state import StepState
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 __all__ = (
     "CPConfig",

@@ -201,11 +201,15 @@ def _may_be_packed_row(call: dict[str, Any]) -> bool:
     ``position_ids`` 0..n-1 is one document, i.e. causal SDPA). Sizes only, no host sync: a
     static cache's tensor ``q_offset`` is not read (its ``kv_length`` is the cache length, so
     the keys are the queries only when the queries fill the whole cache from position 0)."""
-    if call["batch_size"] != 1 or call["attention_mask"] is not None:
+    if call.get("batch_size") != 1 or call.get("attention_mask") is not None:
         return False
-    if call["kv_length"] != call["q_length"] or call["kv_offset"] != 0:
+    q_length = call.get("q_length")
+    if q_length is None:  # transformers < 5: the queries are given by their cache positions
+        cache_position = call.get("cache_position")
+        q_length = cache_position.shape[0] if isinstance(cache_position, torch.Tensor) else None
+    if q_length is None or call.get("kv_length") != q_length or call.get("kv_offset", 0) != 0:
         return False
-    q_offset = call["q_offset"]
+    q_offset = call.get("q_offset", 0)
     return isinstance(q_offset, torch.Tensor) or q_offset == 0
 
 
