@@ -22,8 +22,8 @@ import time
 import torch
 
 from blockdiag_cp.tools.bench import BenchSpec, limit_seconds, run_spec
-from blockdiag_cp.geometry import StepGeometry
-from blockdiag_cp.layout import ShardPlan, attention_work, plan_shards
+from blockdiag_cp.plan.geometry import StepGeometry
+from blockdiag_cp.plan import ShardPlan, attention_work, plan_shards
 from blockdiag_cp.testing import doc_ids_from_lengths
 
 S = 65536

@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from blockdiag_cp.exchange.base import items_over_buffer
-from blockdiag_cp.geometry import StepGeometry
+from blockdiag_cp.plan.geometry import StepGeometry
 from blockdiag_cp.kernels import select_kernel
-from blockdiag_cp.layout import plan_shards
+from blockdiag_cp.plan import plan_shards
 from blockdiag_cp.testing import ParityCase, doc_ids_from_lengths, reference_error, run_parity_case
 
 KERNELS = ("sdpa", "flash", "te", "flex", "dense")

@@ -36,10 +36,10 @@ from dataclasses import replace
 import torch
 
 from blockdiag_cp import CPConfig, cp_blockdiag_sdpa
-from blockdiag_cp.batch import shard_step
-from blockdiag_cp.doc_ids import resolve_doc_ids
-from blockdiag_cp.slot import STEP_SLOT
-from blockdiag_cp.state import build_step_state
+from blockdiag_cp.step.batch import shard_step
+from blockdiag_cp.step.doc_ids import resolve_doc_ids
+from blockdiag_cp.step.slot import STEP_SLOT
+from blockdiag_cp.step.state import build_step_state
 from blockdiag_cp.testing import doc_ids_from_lengths
 from blockdiag_cp.tools.bench import doc_lengths
 

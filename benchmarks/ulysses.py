@@ -26,8 +26,8 @@ import time
 import torch
 
 from blockdiag_cp import CPConfig
-from blockdiag_cp.cost import candidate_degrees, pick_degree, scheme_cost
-from blockdiag_cp.layout import make_plan
+from blockdiag_cp.plan.cost import candidate_degrees, pick_degree, scheme_cost
+from blockdiag_cp.plan import make_plan
 from blockdiag_cp.testing import doc_ids_from_lengths, spawn
 from blockdiag_cp.tools.bench import attention_leaves, bytes_written, doc_lengths
 

@@ -21,7 +21,7 @@ def per_token_losses(trainer, features):
     import trl
 
     from blockdiag_cp import gather_sequence
-    from blockdiag_cp.rows import shifted_labels
+    from blockdiag_cp.step.rows import shifted_labels
 
     batch = trl.trainer.sft_trainer.DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(features)
     targets = shifted_labels(batch["labels"])[0]

@@ -5,9 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blockdiag_cp.layout.balanced import BALANCE_TOLERANCE
-from blockdiag_cp.geometry import StepGeometry
-from blockdiag_cp.layout import attention_work, plan_shards
+from blockdiag_cp.plan.balanced import BALANCE_TOLERANCE
+from blockdiag_cp.plan.geometry import StepGeometry
+from blockdiag_cp.plan import attention_work, plan_shards
 from blockdiag_cp.testing import doc_ids_from_lengths
 
 

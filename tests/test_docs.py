@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from blockdiag_cp import resolve_doc_ids
-from blockdiag_cp.doc_ids import block_causal_mask, doc_starts, validate_doc_ids
+from blockdiag_cp.step.doc_ids import block_causal_mask, doc_starts, validate_doc_ids
 
 
 def ids(*values):

@@ -4,8 +4,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blockdiag_cp.geometry import StepGeometry
-from blockdiag_cp.layout import plan_shards
+from blockdiag_cp.plan.geometry import StepGeometry
+from blockdiag_cp.plan import plan_shards
 from blockdiag_cp.testing import doc_ids_from_lengths
 
 

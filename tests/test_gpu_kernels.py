@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from blockdiag_cp.exchange.base import items_over_buffer
-from blockdiag_cp.geometry import StepGeometry
+from blockdiag_cp.plan.geometry import StepGeometry
 from blockdiag_cp.kernels import DenseKernel, FlashKernel, FlexKernel, TEKernel
 from blockdiag_cp.kernels.varlen import varlen_calls
-from blockdiag_cp.layout import plan_shards
+from blockdiag_cp.plan import plan_shards
 from blockdiag_cp.testing import doc_ids_from_lengths
 
 CPU = torch.device("cpu")

@@ -1,5 +1,5 @@
-"""The package's shape: no import circles, no private names across modules, no mutable
-module state but the step slot, and the old module names still work."""
+"""The package's shape: no import circles (type-checking imports included), no private names
+across modules, no mutable module state but the step slot, no re-export shims, a small root."""
 
 import ast
 import pathlib
@@ -9,7 +9,7 @@ import torch
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "src" / "blockdiag_cp"
 #: module-level names allowed to hold a mutable object (Note [Why a process-wide slot];
 #: Note [Sub-groups made once]: process groups live as long as the process)
-MUTABLE_ALLOWED = {"slot": {"STEP_SLOT"}, "groups": {"SUBGROUPS"}}
+MUTABLE_ALLOWED = {"step.slot": {"STEP_SLOT"}, "parallel.heads": {"SUBGROUPS"}}
 #: calls whose result is immutable (or a logger) at module level
 IMMUTABLE_CALLS = {"MappingProxyType", "frozenset", "tuple", "getLogger", "TypeVar", "getattr", "signature"}
 
@@ -29,19 +29,11 @@ def resolve(module: str, is_package: bool, level: int, target: str | None) -> st
     return ".".join([*base, *([target] if target else [])])
 
 
-def runtime_nodes(node):
-    """Every node below `node`, except under ``if TYPE_CHECKING:`` (never imported at run time)."""
-    for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.If) and getattr(child.test, "id", None) == "TYPE_CHECKING":
-            continue
-        yield child
-        yield from runtime_nodes(child)
-
-
 def package_imports(module, tree, is_package):
-    """Intra-package modules `module` imports at run time, at the top or inside functions."""
+    """Intra-package modules `module` imports anywhere: at the top, inside functions, and under
+    ``if TYPE_CHECKING:`` (a circle there is still two homes that lean on each other)."""
     return {resolve(module, is_package, node.level, node.module)
-            for node in runtime_nodes(tree) if isinstance(node, ast.ImportFrom) and node.level}
+            for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level}
 
 
 def test_no_import_circles():
@@ -104,21 +96,32 @@ def test_no_bare_assert_in_the_library():
     assert not offenders, offenders
 
 
-def test_old_module_names_still_work():
-    from blockdiag_cp.balance import BALANCE_TOLERANCE, plan_balanced
-    from blockdiag_cp.bench import doc_lengths
-    from blockdiag_cp.cli import build_parser
-    from blockdiag_cp.docs import resolve_doc_ids
-    from blockdiag_cp.sdpa import cp_blockdiag_sdpa
-    from blockdiag_cp.state import current_step
-    from blockdiag_cp.verify import doc_ids_from_lengths
+def is_shim(tree) -> bool:
+    """A module whose body is only a docstring, imports and ``__all__``: a second home for names."""
+    body = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+    imports = [n for n in body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    rest = [n for n in body if n not in imports and not (
+        isinstance(n, ast.Assign) and [getattr(t, "id", None) for t in n.targets] == ["__all__"])]
+    return bool(imports) and not rest
 
-    ids = doc_ids_from_lengths((3, -1, 2))
-    assert ids.tolist() == [1, 1, 1, 0, 2, 2]
-    assert resolve_doc_ids({"_packed_seq_ids": ids.unsqueeze(0)}, 6, "cpu", 1).tolist() == [[1, 1, 1, 0, 2, 2]]
-    assert plan_balanced(ids, 2).positions_WL.shape == (2, 3) and 0 < BALANCE_TOLERANCE < 1
-    assert sum(doc_lengths("uniform:3", 30)) == 30
-    assert build_parser().parse_args(["verify"]).command == "verify"
-    assert current_step() is None
+
+def test_no_module_only_re_exports_another():
+    """Package faces (``__init__.py``) may gather their members' names; no other module may."""
+    shims = [str(path.relative_to(PACKAGE)) for _, path, tree, is_package in modules()
+             if not is_package and path.name != "__main__.py" and is_shim(tree)]
+    assert not shims, shims
+
+
+def test_the_root_holds_at_most_ten_modules_and_the_public_face():
+    import blockdiag_cp
+
+    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(root) <= 10, root
+    for name in blockdiag_cp.__all__:
+        assert getattr(blockdiag_cp, name) is not None
+    public = {"CPConfig", "ShardPlan", "StepState", "cp_blockdiag_sdpa", "current_step", "gather_sequence",
+              "make_cp_batch_and_ctx", "make_cp_blockdiag_batch_and_ctx", "plan_shards", "resolve_doc_ids",
+              "_cp_blockdiag_doc_ids"}
+    assert public <= set(blockdiag_cp.__all__)
     q = torch.randn(1, 2, 4, 8)
-    assert torch.equal(cp_blockdiag_sdpa(q, q, q), torch.nn.functional.scaled_dot_product_attention(q, q, q))
+    assert torch.equal(blockdiag_cp.cp_blockdiag_sdpa(q, q, q), torch.nn.functional.scaled_dot_product_attention(q, q, q))

@@ -8,7 +8,7 @@ import functools
 
 import pytest
 
-from blockdiag_cp.layout import plan_shards
+from blockdiag_cp.plan import plan_shards
 from blockdiag_cp.testing import ParityCase, parity_worker, spawn
 from scenarios import EXCHANGES, matrix_cases
 

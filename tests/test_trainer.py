@@ -207,7 +207,7 @@ def test_autocast_casts_like_sdpa_and_mismatches_still_raise():
 
 
 def test_flatten_rows_keeps_documents_inside_rows():
-    from blockdiag_cp.rows import flatten_rows
+    from blockdiag_cp.step.rows import flatten_rows
 
     batch = {"input_ids": torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]]),
              "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]),

@@ -191,8 +191,8 @@ METER_RUNS = {
 def test_planner_predicts_measured_bytes_and_each_scheme_is_within_10_percent_of_its_minimum(world, capsys, rank_pools):
     """Measured gloo bytes (wchar) beside `blockdiag-cp plan`'s prediction and each scheme's analytic minimum
     (Ulysses: the all-to-all formula; K/V: the need matrix); printed as a table."""
-    from blockdiag_cp.cost import scheme_cost
-    from blockdiag_cp.layout import make_plan
+    from blockdiag_cp.plan.cost import scheme_cost
+    from blockdiag_cp.plan import make_plan
 
     ids = doc_ids_from_lengths(ROW)
     measured = rank_pools(world).run(meter_worker, ROW, METER_RUNS[world])
@@ -213,9 +213,9 @@ def test_planner_predicts_measured_bytes_and_each_scheme_is_within_10_percent_of
 
 def test_cost_model_predicts_the_planned_bytes_exactly():
     """`scheme_cost` (what `ulysses_degree='auto'` and `blockdiag-cp plan` use) against the step state."""
-    from blockdiag_cp.cost import scheme_cost
-    from blockdiag_cp.layout import attention_work, make_plan
-    from blockdiag_cp.state import build_step_state
+    from blockdiag_cp.plan.cost import scheme_cost
+    from blockdiag_cp.plan import attention_work, make_plan
+    from blockdiag_cp.step.state import build_step_state
 
     for world, segments in ((4, ROW), (6, ROWS["straddling"]), (6, (400,)), (3, ROWS["padding ranks"])):
         ids = doc_ids_from_lengths(segments)
@@ -235,7 +235,7 @@ def test_cost_model_predicts_the_planned_bytes_exactly():
 
 
 def test_auto_degree_picks_the_cheapest_scheme_in_bytes():
-    from blockdiag_cp.cost import choose_ulysses_degree
+    from blockdiag_cp.plan.cost import choose_ulysses_degree
 
     ids = doc_ids_from_lengths((4096,))
     one_doc = choose_ulysses_degree(ids, 8, CPConfig(ulysses_degree="auto", attention_heads=(8, 8), layout="balanced"))

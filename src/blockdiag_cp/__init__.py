@@ -1,24 +1,26 @@
 """blockdiag-cp: block-diagonal (per-document) context parallelism for packed sequences.
 
-The flow, once per training step, then once per attention layer::
+The flow, once per training step, then once per attention layer; each stage is a folder::
 
-    batch                 make_cp_blockdiag_batch_and_ctx              batch.py
-      -> doc ids          who is in which document (0 = padding)      doc_ids.py
-      -> shard plan       which positions each rank owns              layout/
-      -> step state       geometry (who needs which keys), the        geometry.py, state.py
-                          exchange's routing, the kernel's call
+    batch                 make_cp_blockdiag_batch_and_ctx              step/batch.py
+      -> doc ids          who is in which document (0 = padding)      step/doc_ids.py
+      -> shard plan       which positions each rank owns              plan/ (layouts)
+      -> step state       geometry (who needs which keys), the        plan/geometry.py,
+                          exchange's routing, the kernel's call       step/state.py
                           tables: all built once, frozen
     per attention layer   cp_blockdiag_sdpa(q, k, v)                   attention.py
       -> exchange         deliver the K/V rows the local queries see  exchange/
                           (with ulysses_degree > 1: inside head        exchange/ulysses.py,
-                          all-to-alls, between head-parallel groups)  groups.py
+                          all-to-alls, between head-parallel groups)  parallel/heads.py
       -> kernel           attention over them, fused, no mask         kernels/
 
-Around it: `gather_sequence` (unshard logits), `loss` (next-token targets across
-shard boundaries, the token mean over DP x CP), `hf` (transformers registration),
-`testing` (the float64 oracle and gloo spawn harness), `tools/` (the CLI). The old
-module names ``docs``, ``sdpa``, ``verify``, ``balance``, ``cli``, ``bench`` and
-``demo`` re-export from these homes. Errors follow Note [Error policy] (errors.py).
+Around it: `parallel/` (the collectives every stage uses, head-parallel groups),
+`gather_sequence` (unshard logits, step/gather.py), `loss` (next-token targets across
+shard boundaries, the token mean over DP x CP), `hf/` (transformers registration and
+VLM rows), `trainer` (the Trainer / TRL mixin), `mixers/` (token mixers outside
+attention: detection and refusal), `testing/` (the float64 oracle and gloo spawn
+harness), `tools/` (what a person runs: the CLI). Errors follow Note [Error policy]
+(errors.py).
 
 Words: a *shard plan* (`ShardPlan`) assigns positions to ranks; an exchange's
 *routing* says which rows go where; a kernel's *call table* is what `prepare` builds
@@ -42,13 +44,13 @@ Shape letters in name suffixes (``q_HLD`` is ``[H, L, D]``)::
 """
 
 from .attention import cp_blockdiag_sdpa
-from .batch import make_cp_batch_and_ctx, make_cp_blockdiag_batch_and_ctx
 from .config import CPConfig
-from .doc_ids import _cp_blockdiag_doc_ids, resolve_doc_ids
-from .gather import gather_sequence
-from .layout import ShardPlan, plan_shards
-from .slot import current_step
-from .state import StepState
+from .plan import ShardPlan, plan_shards
+from .step.batch import make_cp_batch_and_ctx, make_cp_blockdiag_batch_and_ctx
+from .step.doc_ids import _cp_blockdiag_doc_ids, resolve_doc_ids
+from .step.gather import gather_sequence
+from .step.slot import current_step
+from .step.state import StepState
 
 __version__ = "0.5.0"
 

@@ -18,9 +18,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .agree import agree_across_ranks
-from .slot import STEP_SLOT, CallSignature
-from .state import StepState
+from .step.agree import agree_across_ranks
+from .step.slot import STEP_SLOT, CallSignature
+from .step.state import StepState
 
 
 def cp_blockdiag_sdpa(

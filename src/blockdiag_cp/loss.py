@@ -7,7 +7,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .doc_ids import resolve_doc_ids
+from .step.doc_ids import resolve_doc_ids
 
 IGNORE_INDEX = -100
 

@@ -32,7 +32,7 @@ gradients (hence the same ``grad_norm``), and the same logged ``loss`` (the Trai
 logs the world mean of ``loss_r / world``-scaled values, i.e. ``sum_all / N``).
 
 The targets are the next tokens of the *unsharded* rows, each row shifted on its own
-exactly as the model's loss would (`blockdiag_cp.rows.shifted_labels`), computed
+exactly as the model's loss would (`blockdiag_cp.step.rows.shifted_labels`), computed
 before sharding, so a shard's last token still predicts the next shard's first.
 Forward *and* backward (with gradient-checkpointing recompute) run inside the CP step:
 the Trainer's own ``_prepare_context_parallel_inputs`` hook returns our step context,
@@ -70,12 +70,12 @@ import torch.distributed as dist
 import transformers
 
 from . import hf  # noqa: F401  (registers attn_implementation="blockdiag_cp")
-from .batch import TrainCtx, check_seq_dims, make_cp_blockdiag_batch_and_ctx
+from .step.batch import TrainCtx, check_seq_dims, make_cp_blockdiag_batch_and_ctx
 from .config import CPConfig
 from .errors import CPTypeError
-from .gather import gather_sequence
+from .step.gather import gather_sequence
 from .mixers import refuse_unrouted_mixers
-from .rows import flatten_rows
+from .step.rows import flatten_rows
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .base import BufferExchange, ExchangeSetup, Traffic, fuse_rows, unfuse_rows
-from .collectives import all_gather_rows, reduce_scatter_rows
+from ..parallel.collectives import all_gather_rows, reduce_scatter_rows
 
 
 class AllGatherExchange(BufferExchange):

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Mapping, Optional
 import torch
 
 from ..errors import ensure
-from ..geometry import Pieces, StepGeometry
+from ..plan.geometry import Pieces, StepGeometry
 from ..kernels import AttentionKernel, ItemTable
 from ..kernels.base import add_sinks, save_for_backward, saved_for_backward, sinks_grad
 

@@ -32,7 +32,7 @@ import torch
 
 from ..errors import ensure
 from .base import BufferExchange, ExchangeSetup, Traffic, fuse_rows, unfuse_rows
-from .collectives import all_to_all_rows, p2p_rows
+from ..parallel.collectives import all_to_all_rows, p2p_rows
 
 
 class NeededOnlyExchange(BufferExchange):

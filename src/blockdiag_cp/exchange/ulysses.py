@@ -38,7 +38,7 @@ import torch
 
 from ..errors import ensure
 from .base import KVExchange, Traffic
-from .collectives import AllToAllChunks
+from ..parallel.collectives import AllToAllChunks
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,7 @@ import torch
 
 from ..errors import ensure
 from .base import ItemTable, LseKernel, accumulate_dtype, expand_heads, fold_heads, merge_partial
-from ..ranges import concat_ranges
+from ..plan.ranges import concat_ranges
 from .fused_ops import MathOps, cpu_fused_ops, fused_ops_for
 
 #: causal squares of at least this many queries get a call of their own

@@ -28,7 +28,7 @@ from typing import ClassVar, Optional
 import torch
 
 from ..errors import ensure
-from ..ranges import concat_ranges
+from ..plan.ranges import concat_ranges
 from .base import AttentionKernel, ItemTable
 
 

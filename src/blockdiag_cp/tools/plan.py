@@ -17,8 +17,8 @@ from types import MappingProxyType
 
 import torch
 
-from ..cost import SchemeCost, candidate_degrees, pick_degree, scheme_cost
-from ..layout import make_plan
+from ..plan.cost import SchemeCost, candidate_degrees, pick_degree, scheme_cost
+from ..plan import make_plan
 from ..testing import doc_ids_from_lengths
 from .bench import doc_lengths
 

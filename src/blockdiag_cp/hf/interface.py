@@ -1,6 +1,6 @@
-"""transformers integration: importing this module registers ``attn_implementation="blockdiag_cp"``.
+"""The attention and mask functions behind ``attn_implementation="blockdiag_cp"``.
 
-It registers an attention function and a mask function through transformers' public
+`register` (run when `blockdiag_cp.hf` is imported) adds them to transformers' public
 registries, ``AttentionInterface`` and ``AttentionMaskInterface``
 (``pip install blockdiag-cp[hf]``); nothing of transformers or torch is monkeypatched.
 
@@ -30,14 +30,12 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention import LayerFeatures, attend_in_step, autocast_inputs, cp_blockdiag_sdpa, refuse_late_recompute
-from .config import CPConfig
-from .doc_ids import block_causal_mask, resolve_doc_ids
-from .mixers import refuse_unrouted_mixers, unrouted_config_mixers
-from .slot import STEP_SLOT, current_step
-from .state import StepState, build_step_state
-from .vlm import make_cp_vlm_batch_and_ctx  # noqa: F401  (the VLM entry, public here)
-from .vlm import model_inputs as vlm_model_inputs  # noqa: F401
+from ..attention import LayerFeatures, attend_in_step, autocast_inputs, cp_blockdiag_sdpa, refuse_late_recompute
+from ..config import CPConfig
+from ..step.doc_ids import block_causal_mask, resolve_doc_ids
+from ..mixers import refuse_unrouted_mixers, unrouted_config_mixers
+from ..step.slot import STEP_SLOT, current_step
+from ..step.state import StepState, build_step_state
 
 ATTN_IMPLEMENTATION = "blockdiag_cp"
 #: when the in-step refusal of unrouted token mixers runs, for its message
@@ -220,4 +218,3 @@ def register() -> str:
     return ATTN_IMPLEMENTATION
 
 
-register()

@@ -30,10 +30,10 @@ from typing import Optional
 
 import torch
 
-from .config import CPConfig
-from .exchange.ulysses import split_kv_heads, ulysses_peer_elements
+from ..config import CPConfig
+from ..exchange.ulysses import split_kv_heads, ulysses_peer_elements
 from .geometry import StepGeometry
-from .layout import ShardPlan, attention_work, make_plan, merge_consecutive_ranks
+from . import ShardPlan, attention_work, make_plan, merge_consecutive_ranks
 
 NEEDED_ONLY = ("auto", "a2a", "halo")
 

@@ -28,8 +28,8 @@ from typing import Any, Optional
 
 import torch
 
-from .doc_ids import doc_starts, run_starts
-from .layout.plan import ShardPlan, pad_doc_ids
+from ..step.doc_ids import doc_starts, run_starts
+from .shard_plan import ShardPlan, pad_doc_ids
 from .ranges import concat_ranges
 
 

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from .plan import ShardPlan
+from .shard_plan import ShardPlan
 
 
 def plan_contiguous(doc_ids_S: torch.Tensor, world: int, window: Optional[int] = None) -> ShardPlan:

@@ -15,14 +15,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .config import CPConfig
-from .exchange import ExchangeSetup, KVExchange, Traffic, build_exchange
-from .exchange.ulysses import HeadSplit, UlyssesExchange, split_kv_heads, ulysses_elements
-from .geometry import StepGeometry
-from .groups import HeadGroups
-from .kernels import AttentionKernel, fallback_kernels, select_kernel
-from .layout import ShardPlan, attention_work, make_plan, merge_consecutive_ranks
-from .slot import STEP_SLOT, current_step  # noqa: F401  (re-exported: their old home)
+from ..config import CPConfig
+from ..exchange import ExchangeSetup, KVExchange, Traffic, build_exchange
+from ..exchange.ulysses import HeadSplit, UlyssesExchange, split_kv_heads, ulysses_elements
+from ..plan.geometry import StepGeometry
+from ..parallel.heads import HeadGroups
+from ..kernels import AttentionKernel, fallback_kernels, select_kernel
+from ..plan import ShardPlan, attention_work, make_plan, merge_consecutive_ranks
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from ..doc_ids import doc_starts
+from ..step.doc_ids import doc_starts
 
 
 @dataclass(frozen=True)

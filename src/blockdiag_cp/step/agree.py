@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .exchange.collectives import all_gather_flat
+from ..parallel.collectives import all_gather_flat
 
 
 def agree_across_ranks(

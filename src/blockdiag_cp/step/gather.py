@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from .exchange.collectives import AllGatherRows
+from ..parallel.collectives import AllGatherRows
 from .slot import STEP_SLOT
 from .state import StepState
 

@@ -16,13 +16,13 @@ from typing import Any, Callable, ContextManager, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from .config import CPConfig
-from .cost import candidate_degrees, choose_ulysses_degree
+from ..config import CPConfig
+from ..plan.cost import candidate_degrees, choose_ulysses_degree
 from .doc_ids import resolve_doc_ids
-from .errors import CPTypeError
-from .groups import HeadGroups, head_groups, make_head_groups
+from ..errors import CPTypeError
+from ..parallel.heads import HeadGroups, head_groups, make_head_groups
 from .agree import agree_across_ranks
-from .layout import ShardPlan
+from ..plan import ShardPlan
 from .rows import ROW_METADATA
 from .slot import STEP_SLOT
 from .state import StepState, build_step_state

@@ -44,8 +44,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..doc_ids import run_starts
-from .plan import ShardPlan, pad_doc_ids, query_work
+from ..step.doc_ids import run_starts
+from .shard_plan import ShardPlan, pad_doc_ids, query_work
 
 #: Target: every rank's work within this fraction of the mean.
 BALANCE_TOLERANCE = 0.05

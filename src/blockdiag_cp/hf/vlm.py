@@ -1,6 +1,6 @@
 """Vision-language rows: from a raw packed batch to a sharded CP step, each image encoded once per CP group.
 
-`make_cp_vlm_batch_and_ctx` (also `blockdiag_cp.hf.make_cp_vlm_batch_and_ctx`) takes the
+`make_cp_vlm_batch_and_ctx` (public as `blockdiag_cp.hf.make_cp_vlm_batch_and_ctx`) takes the
 row a VLM collator hands over (``input_ids`` with image/video placeholder tokens, the
 samples marked by ``_packed_seq_ids`` or restarting ``position_ids``, ``labels``,
 ``pixel_values`` + ``image_grid_thw``, videos likewise, ``mm_token_type_ids``) and
@@ -38,11 +38,11 @@ from typing import Any, Optional
 
 import torch
 
-from .batch import TrainCtx, make_cp_blockdiag_batch_and_ctx
-from .config import CPConfig
-from .doc_ids import resolve_doc_ids
-from .exchange.collectives import AllGatherRows
-from .mixers import refuse_unrouted_mixers
+from ..step.batch import TrainCtx, make_cp_blockdiag_batch_and_ctx
+from ..config import CPConfig
+from ..step.doc_ids import resolve_doc_ids
+from ..parallel.collectives import AllGatherRows
+from ..mixers import refuse_unrouted_mixers
 
 @dataclass(frozen=True)
 class Modality:
@@ -174,7 +174,7 @@ def make_cp_vlm_batch_and_ctx(
         ``(train_ctx, batch)``: ``batch`` holds this rank's mRoPE ``position_ids [3, 1, L]``,
         ``labels``, ``padding_mask``, ... and the model inputs: ``inputs_embeds [1, L, E]``
         (Qwen2-VL, Qwen2.5-VL) or ``input_ids [1, L]`` + ``mm_encoder_outputs`` (Qwen3-VL);
-        `model_inputs` picks them. ``train_ctx.state.call_notes.vision`` reports the
+        `vlm_model_inputs` picks them. ``train_ctx.state.call_notes.vision`` reports the
         vision patches and estimated FLOPs per rank.
     """
     refuse_unrouted_mixers(model, "in make_cp_vlm_batch_and_ctx")
@@ -207,8 +207,8 @@ def make_cp_vlm_batch_and_ctx(
 MODEL_INPUT_KEYS = ("input_ids", "inputs_embeds", "position_ids", "mm_encoder_outputs")
 
 
-def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
-    """The forward arguments of a `make_cp_vlm_batch_and_ctx` batch: ``model(**model_inputs(batch))``."""
+def vlm_model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    """The forward arguments of a `make_cp_vlm_batch_and_ctx` batch: ``model(**vlm_model_inputs(batch))``."""
     return {k: batch[k] for k in MODEL_INPUT_KEYS if k in batch}
 
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .doc_ids import block_causal_mask
+from ..step.doc_ids import block_causal_mask
 
 
 def oracle_attention(
@@ -158,7 +158,7 @@ def reference_error(case: ParityCase) -> tuple[float, float]:
 
 def run_parity_case(case: ParityCase, cp_mesh) -> ParityResult:
     """Run `case` on this rank of `cp_mesh` (None: one process) and compare with the oracle."""
-    from . import CPConfig, cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+    from .. import CPConfig, cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 
     x, grad, sinks = _case_tensors(case)
     x.requires_grad_(True)

@@ -17,11 +17,11 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from ..config import LAYOUTS, check_choice
-from ..doc_ids import validate_doc_ids
+from ..step.doc_ids import validate_doc_ids
 from ..errors import CPTypeError
 from .balanced import plan_balanced
 from .contiguous import plan_contiguous
-from .plan import ShardPlan, attention_work, merge_consecutive_ranks, pad_doc_ids, query_work
+from .shard_plan import ShardPlan, attention_work, merge_consecutive_ranks, pad_doc_ids, query_work
 
 PLANNERS: Mapping[str, Callable[[torch.Tensor, int, Optional[int]], ShardPlan]] = MappingProxyType(
     {"contiguous": plan_contiguous, "balanced": plan_balanced}

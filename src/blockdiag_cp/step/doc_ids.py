@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .errors import CPTypeError
+from ..errors import CPTypeError
 
 def _mask_4d_to_doc_ids(mask_B1SS: torch.Tensor) -> torch.Tensor:
     """Document ids ``[B, S]`` encoded by a 4-D block-causal mask ``[B, 1, S, S]``.

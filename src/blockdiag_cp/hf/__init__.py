@@ -1,0 +1,22 @@
+"""transformers integration: importing this package registers ``attn_implementation="blockdiag_cp"``.
+
+    interface.py  the attention and mask functions registered with transformers' public
+                  ``AttentionInterface`` / ``AttentionMaskInterface`` (nothing is monkeypatched)
+    vlm.py        make_cp_vlm_batch_and_ctx: a packed vision-language row to a sharded CP step
+
+The Trainer mixin is `blockdiag_cp.trainer`.
+"""
+
+from .interface import ATTN_IMPLEMENTATION, blockdiag_cp_attention, blockdiag_cp_mask, register
+from .vlm import make_cp_vlm_batch_and_ctx, vlm_model_inputs
+
+register()
+
+__all__ = (
+    "ATTN_IMPLEMENTATION",
+    "blockdiag_cp_attention",
+    "blockdiag_cp_mask",
+    "make_cp_vlm_batch_and_ctx",
+    "register",
+    "vlm_model_inputs",
+)

@@ -1,0 +1,11 @@
+"""One CP step, from the batch to the frozen state the attention layers read.
+
+    batch.py     make_cp_blockdiag_batch_and_ctx: pad, shard, build the step (the entry)
+    doc_ids.py   which document each position belongs to (0 = padding)
+    rows.py      a collator's B rows as one packed row
+    agree.py     every rank of the CP group holds the same row (one small collective)
+    state.py     StepState: plan, geometry, exchange routing and kernel call tables, built once
+    notes.py     what the step's calls decided (fallbacks, window kinds, vision work)
+    slot.py      the active step, readable from autograd's recompute threads
+    gather.py    gather_sequence: unshard logits or hidden states
+"""
