@@ -207,11 +207,14 @@ def fake_flash_padding_worker(rank, world, checkpoint=None):
     (also when the layer is checkpointed: the padding rank must recompute with the others)."""
     import sys
     import types
+    from dataclasses import replace
     from unittest import mock
 
     from torch.distributed.device_mesh import init_device_mesh
 
     import blockdiag_cp.kernels as kernels
+    import blockdiag_cp.kernels.choose as choose
+    from blockdiag_cp.registry import KERNELS, Registry
     from blockdiag_cp.testing import ParityCase, run_parity_case
 
     fake = types.ModuleType("flash_attn")
@@ -230,7 +233,8 @@ def fake_flash_padding_worker(rank, world, checkpoint=None):
 
     fake.flash_attn_varlen_func = flash_attn_varlen_func
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-    with mock.patch.dict(sys.modules, {"flash_attn": fake}), mock.patch.object(kernels, "GPU_ONLY", ()):
+    on_cpu = Registry(KERNELS.family, tuple(replace(s, gpu_only=False) for s in KERNELS))  # flash allowed on CPU
+    with mock.patch.dict(sys.modules, {"flash_attn": fake}), mock.patch.object(choose, "KERNELS", on_cpu):
         case = ParityCase((20, -20), heads=4, kv_heads=2, kv_exchange="a2a", kernel="flash", checkpoint=checkpoint)
         with mock.patch.object(kernels.FlashKernel, "check", lambda self, q, p: None):  # float64 on CPU
             return run_parity_case(case, mesh["cp"])

@@ -223,8 +223,9 @@ def test_flex_refuses_training_on_cpu():
 ])
 def test_auto_kernel_on_cuda_follows_what_is_installed(monkeypatch, installed, need_lse, expected):
     import blockdiag_cp.kernels as kernels
+    import blockdiag_cp.kernels.choose as choose
 
-    monkeypatch.setattr(kernels, "_installed", lambda module: module in installed)
+    monkeypatch.setattr(choose, "_installed", lambda module: module in installed)
     kernel, reason = kernels.select_kernel("auto", torch.device("cuda"), need_lse=need_lse)
     assert kernel.name == expected and reason.startswith("auto")
     chain = [k.name for k in kernels.fallback_kernels("auto", kernel, torch.device("cuda"))]

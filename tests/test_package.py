@@ -10,8 +10,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "src" / "blockdiag_cp
 #: module-level names allowed to hold a mutable object (Note [Why a process-wide slot];
 #: Note [Sub-groups made once]: process groups live as long as the process)
 MUTABLE_ALLOWED = {"step.slot": {"STEP_SLOT"}, "parallel.heads": {"SUBGROUPS"}}
-#: calls whose result is immutable (or a logger) at module level
-IMMUTABLE_CALLS = {"MappingProxyType", "frozenset", "tuple", "getLogger", "TypeVar", "getattr", "signature"}
+#: calls whose result is immutable (or a logger) at module level (`Registry` is a frozen dataclass of tuples)
+IMMUTABLE_CALLS = {"MappingProxyType", "frozenset", "tuple", "getLogger", "TypeVar", "getattr", "signature", "Registry"}
 
 
 def modules():

@@ -5,21 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from .errors import CPTypeError
-
-KV_EXCHANGES = ("auto", "allgather", "halo", "a2a", "ring")
-KERNELS = ("auto", "dense", "sdpa", "flash", "te", "flex")
-LAYOUTS = ("contiguous", "balanced")
-
-
-def check_choice(knob: str, value: object, choices: tuple[str, ...]) -> str:
-    """Return `value` if it is one of `choices`, else raise an error listing them
-    (`CPTypeError` for a non-string, `ValueError` for an unknown string)."""
-    if not isinstance(value, str):
-        raise CPTypeError(f"{knob} must be a string, one of {', '.join(choices)}; got {type(value).__name__}")
-    if value not in choices:
-        raise ValueError(f"{knob}={value!r} is not supported; choose one of {', '.join(choices)}")
-    return value
+from .errors import CPTypeError, check_choice
+from .registry import EXCHANGES, KERNELS, LAYOUTS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,9 +50,9 @@ class CPConfig:
     attention_heads: Optional[tuple[int, int]] = None
 
     def __post_init__(self) -> None:
-        check_choice("kv_exchange", self.kv_exchange, KV_EXCHANGES)
-        check_choice("kernel", self.kernel, KERNELS)
-        check_choice("layout", self.layout, LAYOUTS)
+        check_choice("kv_exchange", self.kv_exchange, EXCHANGES.choices)
+        check_choice("kernel", self.kernel, KERNELS.choices)
+        check_choice("layout", self.layout, LAYOUTS.choices)
         if not isinstance(self.check_ranks_agree, bool):
             raise CPTypeError(f"check_ranks_agree must be a bool, got {self.check_ranks_agree!r}")
         window = self.balance_window

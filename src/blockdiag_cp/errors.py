@@ -39,3 +39,13 @@ def ensure(condition: bool, message: str) -> None:
     """Raise `InvariantError(message)` unless `condition` holds (host-side checks only)."""
     if not condition:
         raise InvariantError(message)
+
+
+def check_choice(knob: str, value: object, choices: tuple[str, ...]) -> str:
+    """Return `value` if it is one of `choices`, else raise an error listing them
+    (`CPTypeError` for a non-string, `ValueError` for an unknown string)."""
+    if not isinstance(value, str):
+        raise CPTypeError(f"{knob} must be a string, one of {', '.join(choices)}; got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{knob}={value!r} is not supported; choose one of {', '.join(choices)}")
+    return value

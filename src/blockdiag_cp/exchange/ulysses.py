@@ -3,8 +3,8 @@
 Note [Head-parallel groups]
 ---------------------------
 With ``ulysses_degree = u`` the CP group's ``W`` ranks form ``W / u`` head-parallel
-groups of ``u`` consecutive ranks (`groups.HeadGroups`). Group ``g`` owns the positions
-of its members, ascending (`layout.merge_consecutive_ranks`): a plan of ``W / u`` ranks of
+groups of ``u`` consecutive ranks (`parallel.heads.HeadGroups`). Group ``g`` owns the positions
+of its members, ascending (`plan.merge_consecutive_ranks`): a plan of ``W / u`` ranks of
 ``u * L`` positions, with its own geometry. Per attention call, member ``j``:
 
 1. sends every other member the rows of its ``L`` tokens for that member's slice of
@@ -30,65 +30,13 @@ Attention sinks ``[H]`` are sliced the same way as the query heads.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any, Optional
 
 import torch
 
 from ..errors import ensure
-from .base import KVExchange, Traffic
 from ..parallel.collectives import AllToAllChunks
-
-
-@dataclass(frozen=True)
-class HeadSplit:
-    """One rank's head-parallel step facts (Note [Head-parallel groups]).
-
-    Attributes:
-        degree: ``u``; member: this rank's slice of heads; group: the head-parallel process group.
-        order: ``[u L]`` on the device: the member-major row of each ascending group row (None: identity).
-        inverse: ``[u L]``: the ascending row of each member-major row (None: identity).
-    """
-
-    degree: int
-    member: int
-    group: Any
-    order: Optional[torch.Tensor]
-    inverse: Optional[torch.Tensor]
-
-    @staticmethod
-    def build(degree: int, member: int, group: Any, order_uL: torch.Tensor, device: torch.device) -> "HeadSplit":
-        if torch.equal(order_uL, torch.arange(order_uL.numel())):
-            return HeadSplit(degree, member, group, None, None)
-        inverse = torch.empty_like(order_uL).scatter_(0, order_uL, torch.arange(order_uL.numel()))
-        return HeadSplit(degree, member, group, order_uL.to(device), inverse.to(device))
-
-    def kv_repeats(self, kv_heads: int) -> int:
-        """How often each K/V head is repeated so that the ``u`` members split them evenly."""
-        return self.degree // math.gcd(kv_heads, self.degree)
-
-    def problem(self, heads: int) -> Optional[ValueError]:
-        if heads % self.degree:
-            return ValueError(f"ulysses_degree={self.degree} splits the query heads among its ranks: "
-                              f"{heads} heads are not divisible by {self.degree}")
-        return None
-
-
-def split_kv_heads(kv_heads: int, degree: int) -> int:
-    """K/V heads each rank holds after the head split: ``Hk' / u`` with ``Hk' = lcm(Hk, u)``."""
-    return kv_heads * (degree // math.gcd(kv_heads, degree)) // degree
-
-
-def ulysses_peer_elements(degree: int, local_len: int, heads: int, kv_heads: int, head_dim: int) -> int:
-    """Elements one rank sends each other member of its group per attention call, forward (as many
-    backward): its ``L`` tokens' q, k, v for that member's heads, and that member's output rows back."""
-    return local_len * head_dim * (2 * heads // degree + 2 * split_kv_heads(kv_heads, degree))
-
-
-def ulysses_elements(degree: int, local_len: int, heads: int, kv_heads: int, head_dim: int) -> int:
-    """Elements one rank sends in the all-to-alls of one attention call, forward (the same backward)."""
-    return (degree - 1) * ulysses_peer_elements(degree, local_len, heads, kv_heads, head_dim)
+from ..parallel.heads import HeadSplit
+from .base import KVExchange, Traffic
 
 
 class UlyssesExchange(KVExchange):

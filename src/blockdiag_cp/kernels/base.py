@@ -130,6 +130,11 @@ class AttentionKernel(ABC):
     #: logit softcapping ``cap * tanh(score / cap)`` (Gemma 2)
     supports_softcap: ClassVar[bool] = False
 
+    @classmethod
+    def build(cls, device: torch.device) -> "AttentionKernel":
+        """The kernel for `device` (what the kernel registry calls; most kernels need no device)."""
+        return cls()
+
     def feature_problem(self, *, softcap: Optional[float] = None, sinks: bool = False) -> Optional[str]:
         """Why this kernel cannot serve a call with these features (None if it can)."""
         if softcap is not None and not self.supports_softcap:

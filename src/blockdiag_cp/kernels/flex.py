@@ -37,6 +37,10 @@ class FlexKernel(AttentionKernel):
     supports_softcap = True  # a score modifier ``cap * tanh(score / cap)``
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
 
+    @classmethod
+    def build(cls, device: torch.device) -> "FlexKernel":
+        return cls(device)
+
     def __init__(self, device: torch.device = torch.device("cpu")) -> None:
         from torch.nn.attention.flex_attention import flex_attention
 

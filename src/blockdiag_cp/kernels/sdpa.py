@@ -253,6 +253,10 @@ class SdpaKernel(LseKernel):
     supports_softcap = True  # with the same call table, in plain math per call (`MathOps`)
     keeps_inputs = True  # each call's head-major q/k/v (Note [Head-major call inputs])
 
+    @classmethod
+    def build(cls, device: torch.device) -> "SdpaKernel":
+        return cls(device)
+
     def __init__(self, device: torch.device = torch.device("cpu")) -> None:
         self.device_type = device.type
         self._ops = fused_ops_for(device)

@@ -1,4 +1,8 @@
-"""Process sub-groups of a CP group for head-parallel CP, made once per process.
+"""Head parallelism (Ulysses) in one place: the process sub-groups, each rank's head split,
+the step's head-parallel view and the byte formulas of the head all-to-alls.
+
+The exchange that runs the all-to-alls is `exchange.ulysses.UlyssesExchange` (Note
+[Head-parallel groups]); the cost model and the step state read the formulas here.
 
 Note [Sub-groups made once]
 ---------------------------
@@ -22,12 +26,16 @@ group, the head-parallel group is the CP group itself.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
+
+from ..plan import ShardPlan, merge_consecutive_ranks
+from ..plan.geometry import StepGeometry
 
 
 @dataclass(frozen=True)
@@ -99,3 +107,69 @@ def make_head_groups(group: Any, world: int, rank: int, degrees: Iterable[int]) 
     """Make the groups of every degree in `degrees` now, in that order (Note [Sub-groups made once])."""
     for degree in sorted(set(degrees)):
         head_groups(group, world, rank, degree)
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """One rank's head-parallel step facts (Note [Head-parallel groups]).
+
+    Attributes:
+        degree: ``u``; member: this rank's slice of heads; group: the head-parallel process group.
+        order: ``[u L]`` on the device: the member-major row of each ascending group row (None: identity).
+        inverse: ``[u L]``: the ascending row of each member-major row (None: identity).
+    """
+
+    degree: int
+    member: int
+    group: Any
+    order: Optional[torch.Tensor]
+    inverse: Optional[torch.Tensor]
+
+    @staticmethod
+    def build(degree: int, member: int, group: Any, order_uL: torch.Tensor, device: torch.device) -> "HeadSplit":
+        if torch.equal(order_uL, torch.arange(order_uL.numel())):
+            return HeadSplit(degree, member, group, None, None)
+        inverse = torch.empty_like(order_uL).scatter_(0, order_uL, torch.arange(order_uL.numel()))
+        return HeadSplit(degree, member, group, order_uL.to(device), inverse.to(device))
+
+    def kv_repeats(self, kv_heads: int) -> int:
+        """How often each K/V head is repeated so that the ``u`` members split them evenly."""
+        return self.degree // math.gcd(kv_heads, self.degree)
+
+    def problem(self, heads: int) -> Optional[ValueError]:
+        if heads % self.degree:
+            return ValueError(f"ulysses_degree={self.degree} splits the query heads among its ranks: "
+                              f"{heads} heads are not divisible by {self.degree}")
+        return None
+
+
+def split_kv_heads(kv_heads: int, degree: int) -> int:
+    """K/V heads each rank holds after the head split: ``Hk' / u`` with ``Hk' = lcm(Hk, u)``."""
+    return kv_heads * (degree // math.gcd(kv_heads, degree)) // degree
+
+
+def ulysses_peer_elements(degree: int, local_len: int, heads: int, kv_heads: int, head_dim: int) -> int:
+    """Elements one rank sends each other member of its group per attention call, forward (as many
+    backward): its ``L`` tokens' q, k, v for that member's heads, and that member's output rows back."""
+    return local_len * head_dim * (2 * heads // degree + 2 * split_kv_heads(kv_heads, degree))
+
+
+def ulysses_elements(degree: int, local_len: int, heads: int, kv_heads: int, head_dim: int) -> int:
+    """Elements one rank sends in the all-to-alls of one attention call, forward (the same backward)."""
+    return (degree - 1) * ulysses_peer_elements(degree, local_len, heads, kv_heads, head_dim)
+
+
+@dataclass(frozen=True)
+class HeadParallel:
+    """A step's head-parallel view (Note [Head-parallel groups]): the plan of the head-parallel
+    groups (``W / u`` ranks of ``u L`` positions), this rank's groups and its head split."""
+
+    groups: HeadGroups
+    geometry: StepGeometry
+    split: HeadSplit
+
+    @staticmethod
+    def build(plan: ShardPlan, doc_ids_S: torch.Tensor, groups: HeadGroups, device: torch.device) -> "HeadParallel":
+        group_plan, order_per_group = merge_consecutive_ranks(plan, groups.degree)
+        split = HeadSplit.build(groups.degree, groups.member, groups.heads_group, order_per_group[groups.index], device)
+        return HeadParallel(groups, StepGeometry.build(group_plan, doc_ids_S), split)

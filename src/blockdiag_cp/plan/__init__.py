@@ -1,83 +1,16 @@
-"""Token-to-rank layouts: `plan_shards` and the planners behind it.
+"""Where each token goes: layouts, the step's geometry, the cost model.
 
-Each planner is a strategy ``(doc_ids [S], world, window) -> ShardPlan`` (``window``:
-the model's sliding window for the work model, None for full causal attention):
-
-    contiguous   the seed's equal contiguous chunks            (contiguous.py)
-    balanced     equal tokens and equal causal attention work  (balanced.py)
-
-`ShardPlan` and the attention work model live in plan.py.
+    shard_plan.py   ShardPlan (positions per rank) and the attention work model
+    layouts.py      plan_shards / make_plan: the layout registry's planner for a row
+    contiguous.py   the seed's equal contiguous chunks
+    balanced.py     equal tokens and equal causal attention work per rank
+    geometry.py     StepGeometry: who needs which keys (replicated, built once per step)
+    ranges.py       host-side index helpers the planners share
+    cost.py         bytes and time per exchange scheme (ulysses_degree="auto", `blockdiag-cp plan`)
 """
 
-from __future__ import annotations
-
-from types import MappingProxyType
-from typing import Callable, Mapping, Optional
-
-import torch
-
-from ..config import LAYOUTS, check_choice
-from ..step.doc_ids import validate_doc_ids
-from ..errors import CPTypeError
-from .balanced import plan_balanced
-from .contiguous import plan_contiguous
+from .layouts import make_plan, plan_shards
 from .shard_plan import ShardPlan, attention_work, merge_consecutive_ranks, pad_doc_ids, query_work
 
-PLANNERS: Mapping[str, Callable[[torch.Tensor, int, Optional[int]], ShardPlan]] = MappingProxyType(
-    {"contiguous": plan_contiguous, "balanced": plan_balanced}
-)
-
-
-def plan_shards(
-    doc_ids: torch.Tensor, world: int, layout: str = "contiguous", window: Optional[int] = None
-) -> ShardPlan:
-    """Assign the padded row's positions to `world` ranks.
-
-    Args:
-        doc_ids: ``[1, S]`` or ``[S]`` integer document ids, 0 = padding.
-        world: number of CP ranks (>= 1).
-        layout: ``"contiguous"`` or ``"balanced"``.
-        window: the balanced layout's work model counts a sliding window of this size
-            (every layer windowed); None: full causal attention.
-
-    Returns:
-        The `ShardPlan`; `make_cp_blockdiag_batch_and_ctx` with the same layout
-        produces exactly ``plan.rank_positions(rank)`` on each rank.
-    """
-    check_choice("layout", layout, LAYOUTS)
-    if isinstance(world, bool) or not isinstance(world, int):
-        raise CPTypeError(f"world must be a positive int, got {type(world).__name__}")
-    if world < 1:
-        raise ValueError(f"world must be a positive int, got {world!r}")
-    if not isinstance(doc_ids, torch.Tensor):
-        raise CPTypeError(f"doc_ids must be a [1, S] or [S] tensor, got {type(doc_ids).__name__}")
-    if doc_ids.dim() not in (1, 2):
-        raise ValueError(f"doc_ids must be a [1, S] or [S] tensor, got shape {tuple(doc_ids.shape)}")
-    ids_1S = doc_ids.reshape(1, -1) if doc_ids.dim() == 1 else doc_ids
-    if ids_1S.shape[0] != 1:
-        raise ValueError(f"doc_ids must hold one packed row, got batch size {ids_1S.shape[0]}")
-    if ids_1S.shape[1] == 0:
-        raise ValueError("doc_ids is empty: the sequence must hold at least one token")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be a positive int or None, got {window!r}")
-    ids_S = validate_doc_ids(ids_1S, ids_1S.shape[1], 1).reshape(-1).cpu()
-    return make_plan(ids_S, world, layout, window)
-
-
-def make_plan(doc_ids_S: torch.Tensor, world: int, layout: str, window: Optional[int] = None) -> ShardPlan:
-    """`plan_shards` for ids already validated: ``[S]`` int64 on the CPU."""
-    return PLANNERS[layout](doc_ids_S, world, window)
-
-
-__all__ = (
-    "PLANNERS",
-    "ShardPlan",
-    "attention_work",
-    "make_plan",
-    "merge_consecutive_ranks",
-    "pad_doc_ids",
-    "plan_balanced",
-    "plan_contiguous",
-    "plan_shards",
-    "query_work",
-)
+__all__ = ("ShardPlan", "attention_work", "make_plan", "merge_consecutive_ranks", "pad_doc_ids", "plan_shards",
+           "query_work")

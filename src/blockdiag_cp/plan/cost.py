@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from ..config import CPConfig
-from ..exchange.ulysses import split_kv_heads, ulysses_peer_elements
+from ..parallel.heads import split_kv_heads, ulysses_peer_elements
 from .geometry import StepGeometry
 from . import ShardPlan, attention_work, make_plan, merge_consecutive_ranks
 

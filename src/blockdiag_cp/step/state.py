@@ -16,82 +16,14 @@ import torch
 import torch.distributed as dist
 
 from ..config import CPConfig
-from ..exchange import ExchangeSetup, KVExchange, Traffic, build_exchange
-from ..exchange.ulysses import HeadSplit, UlyssesExchange, split_kv_heads, ulysses_elements
-from ..plan.geometry import StepGeometry
-from ..parallel.heads import HeadGroups
+from ..exchange import KVExchange, Traffic, route_exchange
 from ..kernels import AttentionKernel, fallback_kernels, select_kernel
-from ..plan import ShardPlan, attention_work, make_plan, merge_consecutive_ranks
+from ..parallel.heads import HeadGroups, HeadParallel, split_kv_heads, ulysses_elements
+from ..plan import ShardPlan, attention_work, make_plan
+from ..plan.geometry import StepGeometry
+from .notes import CallNotes
 
 logger = logging.getLogger(__name__)
-
-
-class CallNotes:
-    """Decisions made per attention call, recorded for the user (append-only).
-
-    ``kernel_fallbacks``: ``{reason: kernel used instead}`` for calls where the
-    step's kernel refused (a dtype it lacks, attention dropout) under ``kernel="auto"``.
-    """
-
-    def __init__(self) -> None:
-        self._fallbacks: dict[str, str] = {}
-        self._kinds: dict[int, tuple[str, str]] = {}
-        self._vision: dict[str, list] = {}
-
-    def record_fallback(self, kernel: str, reason: str) -> None:
-        self._fallbacks.setdefault(reason, kernel)
-
-    def record_kind(self, window: int, exchange: str, reason: str) -> None:
-        self._kinds[window] = (exchange, reason)
-
-    def record_vision(self, patches: list[int], flops: list[float]) -> None:
-        self._vision = {"patches_per_rank": list(patches), "flops_per_rank": list(flops)}
-
-    @property
-    def vision(self) -> dict[str, list]:
-        """The vision work of the step per CP rank (patches, estimated FLOPs), when a VLM row was split."""
-        return dict(self._vision)
-
-    @property
-    def window_exchanges(self) -> dict[int, tuple[str, str]]:
-        """``{window: (exchange, reason)}`` for the sliding-window layer kinds of the step."""
-        return dict(self._kinds)
-
-    @property
-    def kernel_fallbacks(self) -> dict[str, str]:
-        return dict(self._fallbacks)
-
-
-@dataclass(frozen=True)
-class HeadParallel:
-    """A step's head-parallel view (Note [Head-parallel groups]): the plan of the head-parallel
-    groups (``W / u`` ranks of ``u L`` positions), this rank's groups and its head split."""
-
-    groups: HeadGroups
-    geometry: StepGeometry
-    split: HeadSplit
-
-    @staticmethod
-    def build(plan: ShardPlan, doc_ids_S: torch.Tensor, groups: HeadGroups, device: torch.device) -> "HeadParallel":
-        group_plan, order_per_group = merge_consecutive_ranks(plan, groups.degree)
-        split = HeadSplit.build(groups.degree, groups.member, groups.heads_group, order_per_group[groups.index], device)
-        return HeadParallel(groups, StepGeometry.build(group_plan, doc_ids_S), split)
-
-
-def route_exchange(
-    requested: str, geometry: StepGeometry, rank: int, group: Any, kernels: tuple[AttentionKernel, ...],
-    device: torch.device, window: Optional[int], heads: Optional[HeadParallel],
-) -> tuple[KVExchange, str]:
-    """The step's exchange for layers with `window`: `requested` over the CP group, or, with
-    head parallelism, over the cross group on the groups' plan, inside the head all-to-alls."""
-    if heads is None:
-        return build_exchange(requested, ExchangeSetup(geometry, rank, group, kernels, device, window))
-    groups = heads.groups
-    setup = ExchangeSetup(heads.geometry, groups.index, groups.cross_group, kernels, device, window)
-    inner, reason = build_exchange(requested, setup)
-    return UlyssesExchange(inner, heads.split), (
-        f"ulysses_degree={groups.degree} ({groups.reason}): head all-to-all in groups of {groups.degree} "
-        f"ranks; between the {heads.geometry.world} groups: {reason}")
 
 
 @dataclass(frozen=True)

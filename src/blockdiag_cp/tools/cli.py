@@ -7,9 +7,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from ..config import KERNELS, KV_EXCHANGES, LAYOUTS
+from ..registry import EXCHANGES, KERNELS, LAYOUTS
 
-GPU_ONLY = ("flash", "te")
 
 
 def _segments(text: str) -> tuple[int, ...]:
@@ -32,9 +31,9 @@ def _positive(text: str) -> int:
 
 def _add_attention_args(p: argparse.ArgumentParser, *, world: int = 2) -> None:
     p.add_argument("--world", type=_positive, default=world, help="CP ranks (spawned gloo processes on CPU)")
-    p.add_argument("--exchange", choices=KV_EXCHANGES, default="auto")
-    p.add_argument("--layout", choices=LAYOUTS, default="contiguous")
-    p.add_argument("--kernel", choices=KERNELS, default="auto")
+    p.add_argument("--exchange", choices=EXCHANGES.choices, default="auto")
+    p.add_argument("--layout", choices=LAYOUTS.choices, default="contiguous")
+    p.add_argument("--kernel", choices=KERNELS.choices, default="auto")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .plan import add_plan_args
 
     plan = sub.add_parser("plan", help="size a run too big for this machine: bytes, work and time per scheme")
-    add_plan_args(plan, _positive, (KV_EXCHANGES, LAYOUTS))
+    add_plan_args(plan, _positive, (EXCHANGES.choices, LAYOUTS.choices))
     return parser
 
 
@@ -109,7 +108,7 @@ def settings_problem(args: argparse.Namespace) -> Optional[str]:
     """
     if getattr(args, "heads", 1) % getattr(args, "kv_heads", 1):
         return f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}"
-    if getattr(args, "kernel", None) in GPU_ONLY and not _launched_on_gpus(args):
+    if getattr(args, "kernel", None) in KERNELS.gpu_only and not _launched_on_gpus(args):
         return f"--kernel {args.kernel} needs CUDA GPUs (launch verify with torchrun on GPUs); use auto, sdpa or dense"
     if args.command in ("bench", "plan"):
         from .bench import doc_lengths

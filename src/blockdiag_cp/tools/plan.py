@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass
 from types import MappingProxyType
 
-import torch
 
 from ..plan.cost import SchemeCost, candidate_degrees, pick_degree, scheme_cost
 from ..plan import make_plan

@@ -1,0 +1,39 @@
+"""`CallNotes`: what a step's attention calls decided, recorded for the user."""
+
+from __future__ import annotations
+
+
+class CallNotes:
+    """Decisions made per attention call, recorded for the user (append-only).
+
+    ``kernel_fallbacks``: ``{reason: kernel used instead}`` for calls where the
+    step's kernel refused (a dtype it lacks, attention dropout) under ``kernel="auto"``.
+    """
+
+    def __init__(self) -> None:
+        self._fallbacks: dict[str, str] = {}
+        self._kinds: dict[int, tuple[str, str]] = {}
+        self._vision: dict[str, list] = {}
+
+    def record_fallback(self, kernel: str, reason: str) -> None:
+        self._fallbacks.setdefault(reason, kernel)
+
+    def record_kind(self, window: int, exchange: str, reason: str) -> None:
+        self._kinds[window] = (exchange, reason)
+
+    def record_vision(self, patches: list[int], flops: list[float]) -> None:
+        self._vision = {"patches_per_rank": list(patches), "flops_per_rank": list(flops)}
+
+    @property
+    def vision(self) -> dict[str, list]:
+        """The vision work of the step per CP rank (patches, estimated FLOPs), when a VLM row was split."""
+        return dict(self._vision)
+
+    @property
+    def window_exchanges(self) -> dict[int, tuple[str, str]]:
+        """``{window: (exchange, reason)}`` for the sliding-window layer kinds of the step."""
+        return dict(self._kinds)
+
+    @property
+    def kernel_fallbacks(self) -> dict[str, str]:
+        return dict(self._fallbacks)
