@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from blockdiag_cp.exchange.base import items_over_buffer
 from blockdiag_cp.plan.geometry import StepGeometry
-from blockdiag_cp.kernels import select_kernel
+from blockdiag_cp.kernels import CallOptions, select_kernel
 from blockdiag_cp.plan import plan_shards
 from blockdiag_cp.testing import ParityCase, doc_ids_from_lengths, reference_error, run_parity_case
 
@@ -146,7 +146,7 @@ def rank_tensors(items, scale: Scale, device: torch.device) -> tuple[torch.Tenso
 
 def attend_backward(kernel, calls, q, k, v, scale: Scale) -> None:
     """One rank's local attention, forward and backward."""
-    kernel.attend(calls, q, k, v, scale.D ** -0.5, 0.0).float().square().mean().backward()
+    kernel.attend(calls, q, k, v, CallOptions(scale.D ** -0.5)).float().square().mean().backward()
 
 
 def rank_seconds(kernel_name: str, segments: list[int], scale: Scale) -> tuple[float, int]:

@@ -167,8 +167,8 @@ def main(argv=None) -> None:
         if dist.get_rank() == 0:
             vision = state.call_notes.vision
             print(f"step {step + 1}/{args.steps}  loss {value.item():.6f}  "
-                  f"vision patches per cp rank {vision['patches_per_rank']}  "
-                  f"GFLOPs {[round(f / 1e9, 3) for f in vision['flops_per_rank']]}", flush=True)
+                  f"vision patches per cp rank {list(vision.patches_per_rank)}  "
+                  f"GFLOPs {[round(f / 1e9, 3) for f in vision.flops_per_rank]}", flush=True)
     finish()
 
 

@@ -1,11 +1,26 @@
-"""The command line: clear argument errors, and the demo's parity verdict on a short run."""
+"""The command line: clear argument errors (the subcommand's usage line), defaults in every
+--help, --version, files in --out, a --help that imports no torch, and the demo's parity verdict
+on a short run."""
 
+import importlib.util
+import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from blockdiag_cp.tools.cli import build_parser, main
+import blockdiag_cp
+from blockdiag_cp.tools.cli import COMMANDS, OUT_DIR, build_parser, main
+
+HEAVY = ("torch", "transformers", "matplotlib")
+
+
+def run_python(*args: str) -> subprocess.CompletedProcess:
+    """A fresh interpreter (nothing imported yet), with this checkout's src/ first on the path."""
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, env=env, check=False)
 
 
 @pytest.mark.parametrize(
@@ -42,15 +57,17 @@ def test_verify_passes_on_spawned_ranks(capsys):
     assert code == 0 and "PASS" in out and out.count("[ok]") == 3
 
 
-def test_demo_short_run_matches_reference(tmp_path):
-    png = tmp_path / "demo.png"
+def test_demo_short_run_matches_reference_and_writes_into_out(tmp_path):
+    out = tmp_path / "new" / "folder"  # created by the CLI
     result = subprocess.run(
-        [sys.executable, "-m", "blockdiag_cp", "demo", "--steps", "3", "--seq-len", "256", "--out", str(png)],
-        capture_output=True, text=True, timeout=600,
+        [sys.executable, "-m", "blockdiag_cp", "demo", "--steps", "3", "--seq-len", "256", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "verdict: MATCH" in result.stdout and result.stdout.count(" match") == 3
-    assert png.stat().st_size > 10_000
+    png = out / "demo.png"
+    assert png.stat().st_size > 10_000 and f"wrote {png}" in result.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["demo.png"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -78,3 +95,143 @@ def test_plan_sizes_a_million_tokens_at_world_64_and_names_the_auto_choice(capsy
     inter = {name: float(row.split("|")[3]) for name, row in zip(names, rows) if "n/a" not in row}
     assert inter["hybrid u=8"] < inter["needed-only (auto)"] / 4
     assert "ulysses_degree='auto' (fewest bytes on the busiest rank): hybrid u=8" in out
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"blockdiag-cp {blockdiag_cp.__version__}\n"
+
+
+def option_entries(help_text: str) -> dict[str, str]:
+    """Each option's entry in a --help text (its lines up to the next option)."""
+    entries, name = {}, None
+    for line in help_text.splitlines():
+        match = re.match(r"^  (-[\w-]+)", line)
+        if match:
+            name = match.group(1)
+            entries[name] = line
+        elif name and line.startswith("    "):
+            entries[name] += " " + line.strip()
+        else:
+            name = None
+    return entries
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_subcommand_help_shows_its_usage_description_and_every_default(command, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: blockdiag-cp {command} ")
+    assert " ".join(COMMANDS[command].split()) in " ".join(text.split())  # the one-line description
+    entries = option_entries(text)
+    assert len(entries) > 3 and "-h" in entries
+    undocumented = [name for name, entry in entries.items() if name != "-h" and "(default: " not in entry]
+    assert not undocumented, undocumented
+    assert "`" not in text and "**" not in text and ":class:" not in text
+
+
+def test_top_level_help_lists_every_subcommand_in_plain_text(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: blockdiag-cp ") and "--version" in text
+    assert all(re.search(rf"^    {name}\s+\S", text, flags=re.MULTILINE) for name in COMMANDS)
+    assert "`" not in text and "**" not in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--world", "0"], "argument --world: must be a positive integer"),  # argparse's own check
+    (["verify", "--bogus", "1"], "unrecognized arguments: --bogus 1"),
+    (["bench", "--heads", "3", "--kv-heads", "2"], "must be a multiple of --kv-heads"),  # checked after parsing
+    (["plan", "--world", "8", "--ulysses-degree", "3"], "must divide --world 8"),
+])
+def test_a_bad_argument_prints_the_subcommand_usage_and_one_error_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: blockdiag-cp {argv[0]} ")
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert errors == [err.splitlines()[-1]] and errors[0].startswith(f"blockdiag-cp {argv[0]}: error: ")
+    assert message in errors[0]
+
+
+def test_the_cli_module_and_every_help_import_no_torch():
+    code = ("import sys, blockdiag_cp.tools.cli as cli\n"
+            f"heavy = {HEAVY!r}\n"
+            "assert not [m for m in heavy if m in sys.modules], 'imported by the cli module'\n"
+            "parser = cli.build_parser()\n"
+            "for command in (None, *cli.COMMANDS):\n"
+            "    try:\n"
+            "        parser.parse_args([command, '--help'] if command else ['--help'])\n"
+            "    except SystemExit:\n"
+            "        pass\n"
+            "assert not [m for m in heavy if m in sys.modules], 'imported by --help'\n")
+    result = run_python("-c", code)
+    assert result.returncode == 0, result.stderr
+    assert "usage: blockdiag-cp plan" in result.stdout
+
+
+def test_the_package_root_is_lazy_and_its_public_names_import():
+    code = ("import sys, blockdiag_cp\n"
+            "assert 'torch' not in sys.modules, 'import blockdiag_cp imported torch'\n"
+            "assert set(dir(blockdiag_cp)) >= set(blockdiag_cp.__all__)\n"
+            "from blockdiag_cp import CPConfig, plan_shards, cp_blockdiag_sdpa\n"
+            "assert 'torch' in sys.modules and CPConfig().layout == 'contiguous'\n"
+            "assert cp_blockdiag_sdpa.__module__ == 'blockdiag_cp.attention' and callable(plan_shards)\n"
+            "assert all(getattr(blockdiag_cp, name) is not None for name in blockdiag_cp.__all__)\n"
+            "try:\n"
+            "    blockdiag_cp.no_such_name\n"
+            "except AttributeError as exc:\n"
+            "    assert 'no_such_name' in str(exc)\n"
+            "else:\n"
+            "    raise AssertionError('no AttributeError')\n")
+    result = run_python("-c", code)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_lazy_table_is_the_public_face():
+    from types import MappingProxyType
+
+    homes = blockdiag_cp._HOMES
+    assert isinstance(homes, MappingProxyType) and set(homes) == set(blockdiag_cp.__all__)
+
+
+def fake_bench(monkeypatch):
+    """bench's measurements replaced by fixed numbers: what is left is the CLI and the files it writes."""
+    from blockdiag_cp.tools import bench
+
+    def run_spec(spec, timeout=900):
+        ranks = [1.0] * spec.world
+        return bench.BenchResult(spec, 0.01, ranks, ranks, ranks, [10] * spec.world, "a2a", "sdpa")
+
+    monkeypatch.setattr(bench, "run_spec", run_spec)
+    monkeypatch.setattr(bench, "limit_seconds", lambda spec, *a, **k: 0.005)
+
+
+@pytest.mark.parametrize("out", [None, "made/by/the/cli"])
+def test_bench_files_land_in_out(out, tmp_path, monkeypatch, capsys):
+    fake_bench(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    argv = ["bench", "--seq-len", "64", "--docs", "uniform:2", "--reference", "no"]
+    assert main(argv + (["--out", out] if out else [])) == 0
+    folder = out or OUT_DIR
+    plots = importlib.util.find_spec("matplotlib") is not None
+    assert sorted(p.name for p in (tmp_path / folder).iterdir()) == ["bench.md", "bench.png"][: 1 + plots]
+    assert "| blockdiag_cp | 64 | 2 | 2 | a2a | sdpa |" in (tmp_path / folder / "bench.md").read_text()
+    md, png = os.path.join(folder, "bench.md"), os.path.join(folder, "bench.png")
+    assert f"wrote {md}" + (f" and {png}" if plots else " (no plot written") in capsys.readouterr().out
+
+
+def test_out_that_is_a_file_is_refused(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--out", str(blocker)])
+    assert exc.value.code == 2
+    assert "is a file; --out names a folder" in capsys.readouterr().err

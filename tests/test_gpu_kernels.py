@@ -9,7 +9,7 @@ import torch
 
 from blockdiag_cp.exchange.base import items_over_buffer
 from blockdiag_cp.plan.geometry import StepGeometry
-from blockdiag_cp.kernels import DenseKernel, FlashKernel, FlexKernel, TEKernel
+from blockdiag_cp.kernels import CallOptions, DenseKernel, FlashKernel, FlexKernel, TEKernel
 from blockdiag_cp.kernels.varlen import varlen_calls
 from blockdiag_cp.plan import plan_shards
 from blockdiag_cp.testing import doc_ids_from_lengths
@@ -92,7 +92,7 @@ def tensors(items, H=4, Hk=2, D=8):
 
 def dense_reference(items, q, k, v, softcap=None):
     dense = DenseKernel()
-    return dense.attend(dense.prepare(items, CPU), q, k, v, 0.35, 0.0, softcap)
+    return dense.attend(dense.prepare(items, CPU), q, k, v, CallOptions(0.35, 0.0, softcap))
 
 
 SCENARIOS = {
@@ -110,7 +110,7 @@ def test_flash_receives_bottom_right_segments_and_matches_dense(fake_flash, name
     kernel = FlashKernel()
     plan = kernel.prepare(items, CPU)
     q, k, v = tensors(items)
-    out = kernel.attend(plan, q, k, v, 0.35, 0.0)
+    out = kernel.attend(plan, q, k, v, CallOptions(0.35))
     ref = dense_reference(items, q, k, v)
     assert (out - ref).abs().max() < 1e-12
     g_out = torch.autograd.grad(out.square().sum(), (q, k, v))
@@ -141,7 +141,7 @@ def test_all_padding_rank_calls_no_kernel(fake_flash):
     plan = kernel.prepare(items, CPU)
     assert plan == ()
     q, k, v = tensors(items)
-    out = kernel.attend(plan, q, k, v, 0.35, 0.0)
+    out = kernel.attend(plan, q, k, v, CallOptions(0.35))
     assert torch.equal(out, torch.zeros_like(out)) and fake_flash == []
 
 
@@ -170,7 +170,7 @@ def test_te_receives_thd_bottom_right_segments_and_matches_dense(fake_te, name):
     kernel = TEKernel()
     plan = kernel.prepare(items, CPU)
     q, k, v = tensors(items)
-    out = kernel.attend(plan, q, k, v, 0.35, 0.0)
+    out = kernel.attend(plan, q, k, v, CallOptions(0.35))
     assert (out - dense_reference(items, q, k, v)).abs().max() < 1e-12
     init, call = fake_te
     assert init["init"] == (4, 8, 2, "thd")
@@ -197,7 +197,7 @@ def test_flex_forward_on_cpu_matches_dense(name, softcap):
     plan = kernel.prepare(items, CPU)
     q, k, v = (t.detach().float() * 3 for t in tensors(items))  # scores large enough for the cap to bite
     with torch.no_grad():
-        out = kernel.attend(plan, q, k, v, 0.35, 0.0, softcap)
+        out = kernel.attend(plan, q, k, v, CallOptions(0.35, 0.0, softcap))
         ref = dense_reference(items, q, k, v, softcap)
         uncapped = dense_reference(items, q, k, v)
     assert (out - ref).abs().max() < 1e-5

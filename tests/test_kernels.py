@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from blockdiag_cp.kernels import DenseKernel, ItemAttention, ItemTable, SdpaKernel, merge_partial
+from blockdiag_cp.kernels import CallOptions, DenseKernel, ItemAttention, ItemTable, SdpaKernel, merge_partial
 
 
 def random_items(seed, L=40, N=60, window=None):
@@ -51,7 +51,7 @@ def test_kernel_matches_direct_softmax_forward_and_backward(kernel, seed, heads,
     upstream = torch.randn(H, 40, 8, generator=g, dtype=torch.float64)
     ref = direct(items, q, k, v, 0.3)
     ref_grads = torch.autograd.grad((ref * upstream).sum(), (q, k, v))
-    out = ItemAttention.apply(q, k, v, kernel, kernel.prepare(items, torch.device("cpu")), 0.3, 0.0)
+    out = ItemAttention.apply(q, k, v, kernel, kernel.prepare(items, torch.device("cpu")), CallOptions(0.3))
     grads = torch.autograd.grad((out * upstream).sum(), (q, k, v))
     assert (out - ref).abs().max() < 1e-12
     for got, want in zip(grads, ref_grads):
@@ -63,7 +63,7 @@ def test_rows_without_items_are_zero_with_minus_inf_lse():
     items = ItemTable(none, none, none, none, none.bool(), 5, 3)
     kernel = SdpaKernel()
     q, k = torch.randn(2, 5, 4), torch.randn(2, 3, 4)
-    o, lse, _ = kernel.forward(kernel.prepare(items, torch.device("cpu")), q, k, k, 0.5, 0.0)
+    o, lse, _ = kernel.forward(kernel.prepare(items, torch.device("cpu")), q, k, k, CallOptions(0.5))
     assert torch.equal(o, torch.zeros_like(o)) and torch.isinf(lse).all()
 
 
@@ -88,8 +88,8 @@ def test_dense_dropout_is_seeded_and_unbiased_in_expectation():
     q, k = torch.randn(1, 64, 8, dtype=torch.float64), torch.randn(1, 64, 8, dtype=torch.float64)
     v = torch.ones(1, 64, 8, dtype=torch.float64)
     torch.manual_seed(0)
-    a, _, _ = kernel.forward(plan, q, k, v, 0.3, 0.5)
+    a, _, _ = kernel.forward(plan, q, k, v, CallOptions(0.3, 0.5))
     torch.manual_seed(0)
-    b, _, _ = kernel.forward(plan, q, k, v, 0.3, 0.5)
+    b, _, _ = kernel.forward(plan, q, k, v, CallOptions(0.3, 0.5))
     assert torch.equal(a, b)
     assert abs(a.mean().item() - 1.0) < 0.1  # with v == 1 the undropped output is exactly 1

@@ -180,7 +180,7 @@ def test_packed_vlm_rows_match_each_sample_run_alone(family, world, rank_pools):
     for layout in ("contiguous", "balanced"):
         encoded = [r[layout][1] for r in per_rank]
         assert sum(encoded) == total_patches, encoded  # every image encoded on exactly one rank
-        assert per_rank[0][layout][2]["patches_per_rank"] == encoded
+        assert list(per_rank[0][layout][2].patches_per_rank) == encoded
         largest = max(t * h * w for _, visuals, _ in SAMPLES for _, (t, h, w) in visuals)
         assert max(encoded) <= total_patches / world + largest, encoded  # balanced by patch count
         assert per_rank[0][layout][3] >= 1, "no image or video straddles a rank boundary: the row no longer tests that"

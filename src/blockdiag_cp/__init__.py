@@ -43,14 +43,19 @@ Shape letters in name suffixes (``q_HLD`` is ``[H, L, D]``)::
     1  a dimension of size 1
 """
 
-from .attention import cp_blockdiag_sdpa
-from .config import CPConfig
-from .plan import ShardPlan, plan_shards
-from .step.batch import make_cp_batch_and_ctx, make_cp_blockdiag_batch_and_ctx
-from .step.doc_ids import _cp_blockdiag_doc_ids, resolve_doc_ids
-from .step.gather import gather_sequence
-from .step.slot import current_step
-from .step.state import StepState
+import importlib as _importlib
+import types as _types
+import typing as _typing
+
+if _typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is imported on first use
+    from .attention import cp_blockdiag_sdpa
+    from .config import CPConfig
+    from .plan import ShardPlan, plan_shards
+    from .step.batch import make_cp_batch_and_ctx, make_cp_blockdiag_batch_and_ctx
+    from .step.doc_ids import _cp_blockdiag_doc_ids, resolve_doc_ids
+    from .step.gather import gather_sequence
+    from .step.slot import current_step
+    from .step.state import StepState
 
 __version__ = "0.5.0"
 
@@ -67,3 +72,34 @@ __all__ = (
     "plan_shards",
     "resolve_doc_ids",
 )
+
+#: public name -> the module (relative to this package) that defines it. The root is lazy
+#: (PEP 562): ``import blockdiag_cp`` imports no torch, so ``blockdiag-cp --help`` is fast;
+#: ``from blockdiag_cp import CPConfig`` imports that name's module on first use.
+_HOMES = _types.MappingProxyType({
+    "CPConfig": ".config",
+    "ShardPlan": ".plan",
+    "StepState": ".step.state",
+    "_cp_blockdiag_doc_ids": ".step.doc_ids",
+    "cp_blockdiag_sdpa": ".attention",
+    "current_step": ".step.slot",
+    "gather_sequence": ".step.gather",
+    "make_cp_batch_and_ctx": ".step.batch",
+    "make_cp_blockdiag_batch_and_ctx": ".step.batch",
+    "plan_shards": ".plan",
+    "resolve_doc_ids": ".step.doc_ids",
+})
+
+
+def __getattr__(name: str) -> object:
+    """A public name, imported from its module on first access (then cached in this module)."""
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(home, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

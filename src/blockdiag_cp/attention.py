@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .kernels import CallOptions
 from .step.agree import agree_across_ranks
 from .step.slot import STEP_SLOT, CallSignature
 from .step.state import StepState
@@ -115,7 +116,8 @@ def attend_in_step(
     if scale <= 0.0:  # softmax((s q) k^T) with scale 1: the fused CPU kernel mishandles s <= 0
         query, scale = query * scale, 1.0
     q, k, v = query.squeeze(0), key.squeeze(0), value.squeeze(0)
-    out_HLD = exchange.attend(q, k, v, kernel, scale, float(dropout_p), softcap=features.softcap, sinks=features.sinks)
+    options = CallOptions(scale, float(dropout_p), features.softcap)
+    out_HLD = exchange.attend(q, k, v, kernel, options, sinks=features.sinks)
     return out_HLD.unsqueeze(0)
 
 
@@ -173,17 +175,17 @@ def call_signature(
 ) -> CallSignature:
     """What every rank's call must share: the shapes and dtypes of q, k and v, and the layer's features."""
     features = LayerFeatures() if features is None else features
-    return (tuple(query.shape), tuple(key.shape), tuple(value.shape), query.dtype, key.dtype, value.dtype,
-            *features.key())
+    return CallSignature(tuple(query.shape), tuple(key.shape), tuple(value.shape), query.dtype, key.dtype,
+                         value.dtype, *features.key())
 
 
 def _agree_on_call(state: StepState, signature: CallSignature, problem: Optional[ValueError]) -> None:
     """First call of a signature in this step: every rank checks it passes the same (Note [Ranks agree])."""
     if state.group is not None and state.world > 1 and state.config.check_ranks_agree:
-        shapes = [d for shape in signature[:3] for d in (*shape, *(-1,) * (4 - len(shape)))[:4]]
-        others = [zlib.crc32(repr(x).encode()) for x in signature[3:]]
+        shapes = [d for shape in signature.shapes for d in (*shape, *(-1,) * (4 - len(shape)))[:4]]
+        others = [zlib.crc32(repr(x).encode()) for x in signature.tensors[3:] + signature.features]
         agree_across_ranks(
-            state.group, state.device, [len(s) for s in signature[:3]] + shapes + others, problem,
+            state.group, state.device, [len(s) for s in signature.shapes] + shapes + others, problem,
             "attention call (query/key/value shapes and dtypes, window, softcap, sinks)",
             "ranks of q/k/v, q shape, k shape, v shape, crcs of the dtypes and features",
         )

@@ -18,7 +18,7 @@ import torch
 
 from ..errors import ensure
 from ..plan.geometry import Pieces, StepGeometry
-from ..kernels import AttentionKernel, ItemTable
+from ..kernels import AttentionKernel, CallOptions, ItemTable
 from ..kernels.base import add_sinks, save_for_backward, saved_for_backward, sinks_grad
 
 
@@ -78,13 +78,12 @@ class KVExchange(ABC):
     @abstractmethod
     def attend(
         self, q_HLD: torch.Tensor, k_HLD: torch.Tensor, v_HLD: torch.Tensor,
-        kernel: AttentionKernel, scale: float, dropout_p: float,
-        softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+        kernel: AttentionKernel, options: CallOptions, sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``o [H, L, D]``: attention of the local queries over the keys they may see.
 
-        `softcap` caps the logits (``cap * tanh(s / cap)``); `sinks` ``[H]`` adds one
-        learned logit per head to every row's softmax denominator (an LSE kernel).
+        `options` carry the scale, dropout and logit softcap of the call; `sinks` ``[H]`` adds
+        one learned logit per head to every row's softmax denominator (an LSE kernel).
         """
 
 
@@ -153,14 +152,13 @@ class BufferExchange(KVExchange):
     def scatter_grads(self, dk_NHD: torch.Tensor, dv_NHD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The adjoint: buffer gradients ``[N, Hk, D]`` -> local-row gradients ``(dk [L, Hk, D], dv [L, Hk, D])``."""
 
-    def attend(self, q_HLD, k_HLD, v_HLD, kernel, scale, dropout_p, softcap=None, sinks=None):
+    def attend(self, q_HLD, k_HLD, v_HLD, kernel, options: CallOptions, sinks=None):
         calls = self.kernel_calls[kernel.name]
         if kernel.supports_lse:
-            options = (scale, dropout_p, softcap)
             return BufferAttention.apply(q_HLD, k_HLD, v_HLD, sinks, self, kernel, calls, options)
         ensure(sinks is None, "attention sinks reached a kernel without log-sum-exp")
         k_buf, v_buf = FetchRows.apply(k_HLD, v_HLD, self)
-        out = kernel.attend(calls, q_HLD, k_buf, v_buf, scale, dropout_p, softcap)
+        out = kernel.attend(calls, q_HLD, k_buf, v_buf, options)
         if self.items.size == 0:
             # A rank of only padding: its zeros must still depend on q and the fetched
             # buffer, so its backward runs the exchange's collectives like every other rank.
@@ -190,13 +188,13 @@ class BufferAttention(torch.autograd.Function):
     """One layer as one node: gather the K/V buffer, attend (then the sinks); backward mirrors it.
 
     Backward always runs the exchange's collectives (also on a rank of only padding),
-    so every rank's backward stays matched. ``options`` is ``(scale, dropout_p, softcap)``.
+    so every rank's backward stays matched.
     """
 
     @staticmethod
-    def forward(ctx, q_HLD, k_HLD, v_HLD, sinks_H, exchange: BufferExchange, kernel, calls, options):
+    def forward(ctx, q_HLD, k_HLD, v_HLD, sinks_H, exchange: BufferExchange, kernel, calls, options: CallOptions):
         k_HND, v_HND = token_major(*exchange.gather_rows(*token_major(k_HLD, v_HLD)))
-        o_HLD, lse_HL, aux = kernel.forward(calls, q_HLD, k_HND, v_HND, *options)
+        o_HLD, lse_HL, aux = kernel.forward(calls, q_HLD, k_HND, v_HND, options)
         if sinks_H is not None:
             o_HLD, lse_HL = add_sinks(o_HLD, lse_HL, sinks_H)
         save_for_backward(ctx, kernel, (q_HLD, k_HND, v_HND), (o_HLD, lse_HL, sinks_H), aux)
@@ -206,7 +204,7 @@ class BufferAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do_HLD):
         (q, k_HND, v_HND), (o, lse, sinks_H), aux = saved_for_backward(ctx)
-        dq, dk_HND, dv_HND = ctx.kernel.backward(ctx.calls, do_HLD, q, k_HND, v_HND, o, lse, aux, *ctx.options)
+        dq, dk_HND, dv_HND = ctx.kernel.backward(ctx.calls, do_HLD, q, k_HND, v_HND, o, lse, aux, ctx.options)
         dk_LHD, dv_LHD = ctx.exchange.scatter_grads(*token_major(dk_HND.to(k_HND.dtype), dv_HND.to(v_HND.dtype)))
         d_sinks = None if sinks_H is None else sinks_grad(do_HLD, o, lse, sinks_H).to(sinks_H.dtype)
         return dq, *token_major(dk_LHD, dv_LHD), d_sinks, None, None, None, None

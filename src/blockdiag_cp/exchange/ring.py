@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ensure
-from ..kernels import AttentionKernel, ItemTable, merge_partial
+from ..kernels import AttentionKernel, CallOptions, ItemTable, merge_partial
 from ..kernels.base import accumulate_dtype, add_sinks, save_for_backward, saved_for_backward, sinks_grad
 from .base import ExchangeSetup, KVExchange, Traffic, fuse_rows, token_major, unfuse_rows
 
@@ -97,8 +97,8 @@ class RingExchange(KVExchange):
         grad_recv = sum(0 if h.grad_recv_rows is None else h.grad_recv_rows.numel() for h in self.hops[1:])
         return Traffic(kv_sent, kv_recv, kv_sent + grad_sent, kv_recv + grad_recv)
 
-    def attend(self, q_HLD, k_HLD, v_HLD, kernel, scale, dropout_p, softcap=None, sinks=None):
-        return _RingAttention.apply(q_HLD, k_HLD, v_HLD, sinks, self, kernel, (scale, dropout_p, softcap))
+    def attend(self, q_HLD, k_HLD, v_HLD, kernel, options: CallOptions, sinks=None):
+        return _RingAttention.apply(q_HLD, k_HLD, v_HLD, sinks, self, kernel, options)
 
     def circulate(self, t: int, block: torch.Tensor) -> Optional[_P2P]:
         """Start sending hop t's block on and receiving hop t+1's (None on the last hop)."""
@@ -120,8 +120,8 @@ class _RingAttention(torch.autograd.Function):
     """Attention over all hops of a `RingExchange` (Note [Trimmed ring with log-sum-exp merge])."""
 
     @staticmethod
-    def forward(ctx, q_HLD, k_HLD, v_HLD, sinks_H, ring: RingExchange, kernel: AttentionKernel, options):
-        """``options``: ``(scale, dropout_p, softcap)``; the sinks join after every hop is merged."""
+    def forward(ctx, q_HLD, k_HLD, v_HLD, sinks_H, ring: RingExchange, kernel: AttentionKernel, options: CallOptions):
+        """The sinks join after every hop is merged."""
         block = fuse_rows(*token_major(k_HLD, v_HLD))
         if kernel.keeps_inputs:  # every hop's calls slice one head-major q (no copy per hop)
             q_HLD = q_HLD.contiguous()
@@ -135,7 +135,7 @@ class _RingAttention(torch.autograd.Function):
             aux = None
             if hop.items.size:
                 k, v = token_major(*unfuse_rows(block))
-                o_t, lse_t, aux = kernel.forward(hop.kernel_calls[kernel.name], q_HLD, k, v, *options)
+                o_t, lse_t, aux = kernel.forward(hop.kernel_calls[kernel.name], q_HLD, k, v, options)
                 o, lse = merge_partial(o, lse, o_t, lse_t)
             auxes.append(aux)
             block = ring.next_block(pending, block)
@@ -160,7 +160,7 @@ class _RingAttention(torch.autograd.Function):
             if hop.items.size:
                 k, v = token_major(*unfuse_rows(block))
                 dq_t, dk_t, dv_t = kernel.backward(
-                    hop.kernel_calls[kernel.name], do_HLD, q, k, v, o, lse, auxes[t], *ctx.options
+                    hop.kernel_calls[kernel.name], do_HLD, q, k, v, o, lse, auxes[t], ctx.options
                 )
                 dq += dq_t
                 d_block = fuse_rows(*token_major(dk_t, dv_t))

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ensure
+from ..kernels import CallOptions
 from ..parallel.collectives import AllToAllChunks
 from ..parallel.heads import HeadSplit
 from .base import KVExchange, Traffic
@@ -55,7 +56,7 @@ class UlyssesExchange(KVExchange):
         """The inner exchange's K/V rows between groups (rows of ``Hk'/u`` heads)."""
         return self.inner.traffic
 
-    def attend(self, q_HLD, k_HLD, v_HLD, kernel, scale, dropout_p, softcap=None, sinks=None):
+    def attend(self, q_HLD, k_HLD, v_HLD, kernel, options: CallOptions, sinks=None):
         split = self.split
         ensure(split.group is not None, "a head-parallel state planned without process groups cannot attend "
                "(build it through make_cp_blockdiag_batch_and_ctx)")
@@ -64,7 +65,7 @@ class UlyssesExchange(KVExchange):
             k_HLD, v_HLD = (t.repeat_interleave(repeats, dim=0) for t in (k_HLD, v_HLD))
         q, k, v = self._to_heads(q_HLD, k_HLD, v_HLD)
         mine = None if sinks is None else sinks.reshape(split.degree, -1)[split.member]
-        out = self.inner.attend(q, k, v, kernel, scale, dropout_p, softcap=softcap, sinks=mine)
+        out = self.inner.attend(q, k, v, kernel, options, sinks=mine)
         return self._to_sequence(out)
 
     def _to_heads(self, q_HLD, k_HLD, v_HLD):

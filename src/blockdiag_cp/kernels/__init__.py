@@ -7,7 +7,7 @@
     flex.py       FlexAttention over a block mask
 """
 
-from .base import AttentionKernel, ItemAttention, ItemTable, LseKernel, merge_partial
+from .base import AttentionKernel, CallOptions, ItemAttention, ItemTable, LseKernel, merge_partial
 from .choose import build_kernel, fallback_kernels, select_kernel
 from .dense import DenseKernel
 from .flash import FlashKernel
@@ -17,6 +17,7 @@ from .te import TEKernel
 
 __all__ = (
     "AttentionKernel",
+    "CallOptions",
     "DenseKernel",
     "FlashKernel",
     "FlexKernel",

@@ -113,6 +113,21 @@ class ItemTable:
         return int((hi - lo).sum())
 
 
+@dataclass(frozen=True)
+class CallOptions:
+    """The options of one attention call that every kernel call receives.
+
+    Attributes:
+        scale: the softmax scale (``1 / sqrt(D)`` unless the model sets it).
+        dropout_p: attention dropout probability (0 unless training with dropout).
+        softcap: logits become ``softcap * tanh(logit / softcap)`` (Gemma 2); None: no cap.
+    """
+
+    scale: float
+    dropout_p: float = 0.0
+    softcap: Optional[float] = None
+
+
 class AttentionKernel(ABC):
     """A local attention kernel over an `ItemTable`.
 
@@ -155,8 +170,7 @@ class AttentionKernel(ABC):
         """
 
     @abstractmethod
-    def attend(self, calls: Any, q_HLD, k_HND, v_HND, scale: float, dropout_p: float,
-               softcap: Optional[float] = None) -> torch.Tensor:
+    def attend(self, calls: Any, q_HLD, k_HND, v_HND, options: CallOptions) -> torch.Tensor:
         """Differentiable ``o [H, L, D]`` over the call table's items; rows in no item are 0."""
 
 
@@ -170,8 +184,7 @@ class LseKernel(AttentionKernel):
 
     @abstractmethod
     def forward(
-        self, calls: Any, q_HLD: torch.Tensor, k_HND: torch.Tensor, v_HND: torch.Tensor, scale: float,
-        dropout_p: float, softcap: Optional[float] = None,
+        self, calls: Any, q_HLD: torch.Tensor, k_HND: torch.Tensor, v_HND: torch.Tensor, options: CallOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Return ``(o [H, L, D], lse [H, L] float, aux)``; rows in no item: 0 and -inf.
 
@@ -189,15 +202,12 @@ class LseKernel(AttentionKernel):
         o_HLD: torch.Tensor,
         lse_HL: torch.Tensor,
         aux: Any,
-        scale: float,
-        dropout_p: float,
-        softcap: Optional[float] = None,
+        options: CallOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients ``(dq, dk, dv)`` of this table's keys, given the final ``o`` and ``lse``."""
 
-    def attend(self, calls: Any, q_HLD, k_HND, v_HND, scale: float, dropout_p: float,
-               softcap: Optional[float] = None) -> torch.Tensor:
-        return ItemAttention.apply(q_HLD, k_HND, v_HND, self, calls, scale, dropout_p, softcap)
+    def attend(self, calls: Any, q_HLD, k_HND, v_HND, options: CallOptions) -> torch.Tensor:
+        return ItemAttention.apply(q_HLD, k_HND, v_HND, self, calls, options)
 
 
 def save_for_backward(ctx, kernel: "LseKernel", inputs: tuple, tensors: tuple, aux: Any) -> None:
@@ -229,18 +239,17 @@ class ItemAttention(torch.autograd.Function):
     """``o = attention(q, k, v)`` over an item table; backward through the kernel."""
 
     @staticmethod
-    def forward(ctx, q_HLD, k_HND, v_HND, kernel: "LseKernel", calls: Any, scale: float, dropout_p: float,
-                softcap: Optional[float] = None):
-        o_HLD, lse_HL, aux = kernel.forward(calls, q_HLD, k_HND, v_HND, scale, dropout_p, softcap)
+    def forward(ctx, q_HLD, k_HND, v_HND, kernel: "LseKernel", calls: Any, options: CallOptions):
+        o_HLD, lse_HL, aux = kernel.forward(calls, q_HLD, k_HND, v_HND, options)
         save_for_backward(ctx, kernel, (q_HLD, k_HND, v_HND), (o_HLD, lse_HL), aux)
-        ctx.kernel, ctx.calls, ctx.options = kernel, calls, (scale, dropout_p, softcap)
+        ctx.kernel, ctx.calls, ctx.options = kernel, calls, options
         return o_HLD
 
     @staticmethod
     def backward(ctx, do_HLD):
         (q, k, v), (o, lse), aux = saved_for_backward(ctx)
-        dq, dk, dv = ctx.kernel.backward(ctx.calls, do_HLD, q, k, v, o, lse, aux, *ctx.options)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv = ctx.kernel.backward(ctx.calls, do_HLD, q, k, v, o, lse, aux, ctx.options)
+        return dq, dk, dv, None, None, None
 
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import ItemTable, LseKernel, accumulate_dtype, expand_heads, fold_heads
+from .base import CallOptions, ItemTable, LseKernel, accumulate_dtype, expand_heads, fold_heads
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,9 @@ class DenseKernel(LseKernel):
         probs = torch.exp(scores - safe.unsqueeze(-1)).masked_fill(~visible_LN, 0.0)
         return probs, lse_HL, capped
 
-    def forward(self, calls, q_HLD, k_HND, v_HND, scale, dropout_p, softcap=None):
-        probs, lse, _ = self._probs(calls, q_HLD, k_HND, scale, softcap=softcap)
+    def forward(self, calls, q_HLD, k_HND, v_HND, options: CallOptions):
+        dropout_p = options.dropout_p
+        probs, lse, _ = self._probs(calls, q_HLD, k_HND, options.scale, softcap=options.softcap)
         keep = None
         if dropout_p > 0.0:
             keep = torch.rand_like(probs) >= dropout_p
@@ -61,10 +62,11 @@ class DenseKernel(LseKernel):
         o = torch.matmul(probs, v).to(q_HLD.dtype)
         return o, lse, keep
 
-    def backward(self, calls, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale, dropout_p, softcap=None):
+    def backward(self, calls, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, options: CallOptions):
         ct = accumulate_dtype(q_HLD.dtype)
         H, Hk = q_HLD.shape[0], k_HND.shape[0]
-        probs, _, capped = self._probs(calls, q_HLD, k_HND, scale, lse_HL, softcap)
+        scale, dropout_p = options.scale, options.dropout_p
+        probs, _, capped = self._probs(calls, q_HLD, k_HND, scale, lse_HL, options.softcap)
         do = do_HLD.to(ct)
         kept = probs if aux is None else probs * aux / (1.0 - dropout_p)
         dv = torch.matmul(kept.transpose(-1, -2), do)

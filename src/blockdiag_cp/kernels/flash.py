@@ -7,6 +7,7 @@ import is lazy: a CPU install never needs flash-attn.
 
 from __future__ import annotations
 
+from .base import CallOptions
 from .varlen import VarlenKernel
 
 
@@ -17,13 +18,13 @@ class FlashKernel(VarlenKernel):
     package = "flash_attn"
     install_name = "flash-attn"
 
-    def attend_packed(self, call, q_THD, k_THD, v_THD, scale, dropout_p, softcap=None):
+    def attend_packed(self, call, q_THD, k_THD, v_THD, options: CallOptions):
         extra = {}
         if call.window is not None:  # keys (q - w, q]: w - 1 to the left, none to the right
             extra["window_size"] = (call.window - 1, 0)
-        if softcap is not None:
-            extra["softcap"] = softcap
+        if options.softcap is not None:
+            extra["softcap"] = options.softcap
         return self.module.flash_attn_varlen_func(
             q_THD, k_THD, v_THD, call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k,
-            dropout_p=dropout_p, softmax_scale=scale, causal=call.causal, **extra,
+            dropout_p=options.dropout_p, softmax_scale=options.scale, causal=call.causal, **extra,
         )

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .base import AttentionKernel, ItemTable
+from .base import AttentionKernel, CallOptions, ItemTable
 
 
 @dataclass(frozen=True)
@@ -69,13 +69,13 @@ class FlexKernel(AttentionKernel):
                 "use kernel='sdpa' (or flex under torch.no_grad())"
             )
 
-    def attend(self, call: FlexCall, q_HLD, k_HND, v_HND, scale, dropout_p, softcap=None):
+    def attend(self, call: FlexCall, q_HLD, k_HND, v_HND, options: CallOptions):
         if k_HND.shape[1] == 0:
             return torch.zeros_like(q_HLD)
         out = self._flex(
             q_HLD.unsqueeze(0), k_HND.unsqueeze(0), v_HND.unsqueeze(0), block_mask=call.block_mask,
-            score_mod=None if softcap is None else _softcapped(softcap),
-            scale=scale, enable_gqa=q_HLD.shape[0] != k_HND.shape[0],
+            score_mod=None if options.softcap is None else _softcapped(options.softcap),
+            scale=options.scale, enable_gqa=q_HLD.shape[0] != k_HND.shape[0],
         )[0]
         return torch.where(call.has_keys[None, :, None], out, torch.zeros_like(out))
 

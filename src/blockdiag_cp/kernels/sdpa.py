@@ -69,12 +69,12 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from ..errors import ensure
-from .base import ItemTable, LseKernel, accumulate_dtype, expand_heads, fold_heads, merge_partial
+from .base import CallOptions, ItemTable, LseKernel, accumulate_dtype, expand_heads, fold_heads, merge_partial
 from ..plan.ranges import concat_ranges
 from .fused_ops import MathOps, cpu_fused_ops, fused_ops_for
 
@@ -193,58 +193,71 @@ def fused_call_table(items: ItemTable, device: torch.device) -> FusedCallTable:
     return FusedCallTable(fused_calls(items, device), torch.nonzero(~touched).flatten().to(device))
 
 
-#: a call group: (causal, merge, q rows, k rows, step) -> members (q start, q real, k start, k real)
-_Groups = dict
+class CallGroup(NamedTuple):
+    """What items fused into one call share.
+
+    Attributes:
+        causal: the call's mask is causal (a square), else it attends to every key given.
+        merge: the call merges into rows an earlier call wrote (by log-sum-exp), else it writes them first.
+        q_rows, k_rows: the (bucketed) rows of q and k each member is padded to.
+        step: +1: the members' rows run upwards from their start; -1: downwards (a window's triangle).
+    """
+
+    causal: bool
+    merge: bool
+    q_rows: int
+    k_rows: int
+    step: int = 1
+
+
+#: members of each call group: ``(q start, q real rows, k start, k real rows)``
+Groups = dict[CallGroup, list[tuple[int, int, int, int]]]
 
 
 def fused_calls(items: ItemTable, device: torch.device) -> tuple[FusedCall, ...]:
     """The calls of `items` (Notes [Bottom-right causal...], [Token-major rows and buckets] and
     [Sliding windows from causal squares]). First-touch calls come first, merging calls after."""
-    groups: _Groups = defaultdict(list)
+    groups: Groups = defaultdict(list)
     rows = zip(*(t.tolist() for t in (items.q_start, items.q_len, items.k_start, items.k_len, items.causal)))
     for q0, ql, k0, kl, causal in rows:
         if not causal:
-            groups[False, False, ql, kl, 1].append((q0, ql, k0, kl))
+            groups[CallGroup(False, False, ql, kl)].append((q0, ql, k0, kl))
         elif items.window is None or items.window >= kl:
             _add_causal(groups, q0, ql, k0, kl)
         else:
             _add_windowed(groups, q0, ql, k0, kl, items.window)
     calls = []
-    ordered = sorted(groups.items(), key=lambda kv: (kv[0][1], -kv[0][2], -kv[0][3], kv[0][4]))
-    for (causal, merge, ql, kl, step), members in ordered:
+    ordered = sorted(groups.items(), key=lambda kv: (kv[0].merge, -kv[0].q_rows, -kv[0].k_rows, kv[0].step))
+    for group, members in ordered:
         q0s, qreal, k0s, kreal = (list(col) for col in zip(*members))
-        q = _rows(q0s, qreal, ql, items.num_q_rows, device, step)
-        k = _rows(k0s, kreal, kl, items.num_k_rows, device, step)
-        calls.append(FusedCall(causal, merge, q, k))
+        q = _rows(q0s, qreal, group.q_rows, items.num_q_rows, device, group.step)
+        k = _rows(k0s, kreal, group.k_rows, items.num_k_rows, device, group.step)
+        calls.append(FusedCall(group.causal, group.merge, q, k))
     return tuple(calls)
 
 
-def _add_causal(groups: _Groups, q0: int, ql: int, k0: int, kl: int) -> None:
+def _add_causal(groups: Groups, q0: int, ql: int, k0: int, kl: int) -> None:
     """A bottom-right causal item: its causal square (bucketed), then the prefix it merges."""
     b = bucket_length(ql)
-    groups[True, False, b, b, 1].append((q0, ql, k0 + kl - ql, ql))
+    groups[CallGroup(True, False, b, b)].append((q0, ql, k0 + kl - ql, ql))
     if kl > ql:
-        groups[False, True, ql, kl - ql, 1].append((q0, ql, k0, kl - ql))
+        groups[CallGroup(False, True, ql, kl - ql)].append((q0, ql, k0, kl - ql))
 
 
-def _add_windowed(groups: _Groups, q0: int, ql: int, k0: int, kl: int, w: int) -> None:
+def _add_windowed(groups: Groups, q0: int, ql: int, k0: int, kl: int, w: int) -> None:
     """A bottom-right causal item under window ``w < kl``, in query blocks of ``c <= w``
     (Note [Sliding windows from causal squares])."""
     off = kl - ql  # keys before the item's first query
     for bq in range(0, ql, w):
         c, a = min(w, ql - bq), off + bq  # block size; key index of the block's first query
         b = bucket_length(c)
-        groups[True, False, b, b, 1].append((q0 + bq, c, k0 + a, c))  # the block's own causal square
+        groups[CallGroup(True, False, b, b)].append((q0 + bq, c, k0 + a, c))  # the block's own causal square
         full = a - max(0, a + c - w)  # keys before the block that every query of it sees
         if full:
-            groups[False, True, c, full, 1].append((q0 + bq, c, k0 + a - full, full))
+            groups[CallGroup(False, True, c, full)].append((q0 + bq, c, k0 + a - full, full))
         tri = max(0, a + c - w) - max(0, a - w + 1)  # keys that only the block's earlier queries see
         if tri > 0 and c > 1:
-            groups[True, True, c - 1, tri, -1].append((q0 + bq + c - 2, c - 1, k0 + a + c - w - 1, tri))
-
-
-#: Old name (0.1), kept for code that imported it.
-plan_fused_calls = fused_calls
+            groups[CallGroup(True, True, c - 1, tri, step=-1)].append((q0 + bq + c - 2, c - 1, k0 + a + c - w - 1, tri))
 
 
 class SdpaKernel(LseKernel):
@@ -273,10 +286,10 @@ class SdpaKernel(LseKernel):
     def _ops_for(self, softcap: Optional[float]):
         return self._ops if softcap is None else MathOps(softcap)
 
-    def forward(self, calls, q_HLD, k_HND, v_HND, scale, dropout_p, softcap=None):
+    def forward(self, calls, q_HLD, k_HND, v_HND, options: CallOptions):
         """``(o [H, L, D], lse [H, L], aux)``; aux holds each call's head-major q/k/v for backward."""
-        ensure(dropout_p == 0.0, "callers route dropout to a kernel that supports it")
-        ops = self._ops_for(softcap)
+        ensure(options.dropout_p == 0.0, "callers route dropout to a kernel that supports it")
+        ops, scale = self._ops_for(options.softcap), options.scale
         H, L, D = q_HLD.shape
         # + the dummy row that pads write into; every other row is written by a first-touch call or zeroed here
         o_LHD = q_HLD.new_empty(L + 1, H, D).index_fill_(0, calls.untouched_rows, 0.0)
@@ -295,9 +308,9 @@ class SdpaKernel(LseKernel):
             kept.append((q, k, v))
         return o_LHD[:L].transpose(0, 1), lse_LH[:L].transpose(0, 1), kept
 
-    def backward(self, calls, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, scale, dropout_p, softcap=None):
+    def backward(self, calls, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, options: CallOptions):
         """``(dq [H, L, D], dk [Hk, N, D], dv [Hk, N, D])``: token-major storage (each call's rows added in place)."""
-        ops = self._ops_for(softcap)
+        ops, scale = self._ops_for(options.softcap), options.scale
         do_LHD, o_LHD, lse_LH = do_HLD.transpose(0, 1), o_HLD.transpose(0, 1), lse_HL.transpose(0, 1)
         acc = accumulate_dtype(q_HLD.dtype)
         (H, L, D), N = q_HLD.shape, k_HND.shape[1]

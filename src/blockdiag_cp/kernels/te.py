@@ -6,6 +6,7 @@ Causal calls use ``attn_mask_type="padding_causal_bottom_right"``, full ones
 
 from __future__ import annotations
 
+from .base import CallOptions
 from .varlen import VarlenKernel
 
 
@@ -28,9 +29,9 @@ class TEKernel(VarlenKernel):
             )
         return self._modules[key]
 
-    def attend_packed(self, call, q_THD, k_THD, v_THD, scale, dropout_p, softcap=None):
+    def attend_packed(self, call, q_THD, k_THD, v_THD, options: CallOptions):
         T, H, D = q_THD.shape
-        attention = self._dot_product_attention(H, D, k_THD.shape[1], scale)
+        attention = self._dot_product_attention(H, D, k_THD.shape[1], options.scale)
         out = attention(
             q_THD, k_THD, v_THD, qkv_format="thd",
             attn_mask_type="padding_causal_bottom_right" if call.causal else "padding",

@@ -29,7 +29,7 @@ import torch
 
 from ..errors import ensure
 from ..plan.ranges import concat_ranges
-from .base import AttentionKernel, ItemTable
+from .base import AttentionKernel, CallOptions, ItemTable
 
 
 @dataclass(frozen=True)
@@ -133,18 +133,11 @@ class VarlenKernel(AttentionKernel):
                 f"kernel={self.name!r} runs in float16/bfloat16, got {q_HLD.dtype}; use kernel='sdpa' or autocast"
             )
 
-    def attend(self, calls, q_HLD, k_HND, v_HND, scale, dropout_p, softcap=None):
+    def attend(self, calls, q_HLD, k_HND, v_HND, options: CallOptions):
         return packed_attention(
-            calls, q_HLD, k_HND, v_HND,
-            lambda call, q, k, v: self.attend_packed(call, q, k, v, scale, dropout_p, softcap),
+            calls, q_HLD, k_HND, v_HND, lambda call, q, k, v: self.attend_packed(call, q, k, v, options),
         )
 
     @abstractmethod
-    def attend_packed(self, call: VarlenCall, q_THD, k_THD, v_THD, scale: float, dropout_p: float,
-                      softcap: Optional[float] = None) -> torch.Tensor:
+    def attend_packed(self, call: VarlenCall, q_THD, k_THD, v_THD, options: CallOptions) -> torch.Tensor:
         """``q [Tq, H, D]``, ``k``/``v`` ``[Tk, Hk, D]`` packed as `call` says -> ``[Tq, H, D]``."""
-
-
-#: Old names (0.1), kept for code that imported them.
-VarlenSegments = VarlenCall
-build_varlen_segments = varlen_calls

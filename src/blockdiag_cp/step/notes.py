@@ -2,6 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class VisionWork:
+    """The vision-tower work of a VLM step per CP rank (Note [One vision tower pass per CP group]).
+
+    Attributes:
+        patches_per_rank: ``[W]`` pixel patches each rank encoded.
+        flops_per_rank: ``[W]`` their estimated forward FLOPs.
+    """
+
+    patches_per_rank: tuple[int, ...] = ()
+    flops_per_rank: tuple[float, ...] = ()
+
 
 class CallNotes:
     """Decisions made per attention call, recorded for the user (append-only).
@@ -13,7 +28,7 @@ class CallNotes:
     def __init__(self) -> None:
         self._fallbacks: dict[str, str] = {}
         self._kinds: dict[int, tuple[str, str]] = {}
-        self._vision: dict[str, list] = {}
+        self._vision = VisionWork()
 
     def record_fallback(self, kernel: str, reason: str) -> None:
         self._fallbacks.setdefault(reason, kernel)
@@ -22,12 +37,12 @@ class CallNotes:
         self._kinds[window] = (exchange, reason)
 
     def record_vision(self, patches: list[int], flops: list[float]) -> None:
-        self._vision = {"patches_per_rank": list(patches), "flops_per_rank": list(flops)}
+        self._vision = VisionWork(tuple(int(p) for p in patches), tuple(float(f) for f in flops))
 
     @property
-    def vision(self) -> dict[str, list]:
-        """The vision work of the step per CP rank (patches, estimated FLOPs), when a VLM row was split."""
-        return dict(self._vision)
+    def vision(self) -> VisionWork:
+        """The vision work of the step per CP rank (empty unless a VLM row was split)."""
+        return self._vision
 
     @property
     def window_exchanges(self) -> dict[int, tuple[str, str]]:

@@ -35,7 +35,7 @@ import contextlib
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Hashable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Hashable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -44,8 +44,34 @@ if TYPE_CHECKING:
 
 #: planned rows kept for attention outside a step (one per layer kind of the forward in flight)
 IMPLICIT_ENTRIES = 4
-#: the shapes and dtypes of an attention call's q, k and v (see `attention.call_signature`)
-CallSignature = tuple
+
+
+class CallSignature(NamedTuple):
+    """What every rank's attention call of a step must share (built by `attention.call_signature`)."""
+
+    query_shape: tuple[int, ...]
+    key_shape: tuple[int, ...]
+    value_shape: tuple[int, ...]
+    query_dtype: torch.dtype
+    key_dtype: torch.dtype
+    value_dtype: torch.dtype
+    sliding_window: Optional[int] = None
+    softcap: Optional[float] = None
+    sinks_shape: Optional[tuple[int, ...]] = None
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        return (self.query_shape, self.key_shape, self.value_shape)
+
+    @property
+    def tensors(self) -> tuple:
+        """The shapes and dtypes of q, k and v, without the layer's features."""
+        return (*self.shapes, self.query_dtype, self.key_dtype, self.value_dtype)
+
+    @property
+    def features(self) -> tuple:
+        """The layer's window, softcap and sinks shape."""
+        return (self.sliding_window, self.softcap, self.sinks_shape)
 
 
 @dataclass(frozen=True)
@@ -57,7 +83,7 @@ class EndedStep:
 
     def matches(self, call: CallSignature) -> bool:
         """Same shapes and dtypes as one of the step's calls (whatever their window, softcap, sinks)."""
-        return any(call[:6] == seen[:6] for seen in self.calls)
+        return any(call.tensors == seen.tensors for seen in self.calls)
 
 
 @dataclass

@@ -14,6 +14,7 @@ by the world size.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import resource
 import statistics
@@ -246,6 +247,8 @@ def format_table(results: list[BenchResult], limit: Optional[float]) -> str:
 
 #: with --reference auto, the seed's dense all-gather reference runs only up to this length
 SEED_MAX_AUTO = 8192
+#: the table and the plot ``blockdiag-cp bench`` writes into --out
+OUT_NAMES = ("bench.md", "bench.png")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -268,9 +271,10 @@ def run_bench(args: argparse.Namespace) -> int:
     table = format_table(results, limit)
     print(table)
     print(f"limit (one process alone / world): {limit:.3f} s")
-    with open(f"{args.out}.md", "w") as f:
+    md, png = (os.path.join(args.out, name) for name in OUT_NAMES)
+    with open(md, "w") as f:
         f.write(table + f"\n\nlimit (one process alone / world): {limit:.3f} s\n")
-    print(f"wrote {args.out}.md{_plot_bench(results, args.out + '.png')}")
+    print(f"wrote {md}{_plot_bench(results, png)}")
     return 0
 
 
@@ -281,7 +285,7 @@ def _plot_bench(results: list[BenchResult], path: str) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return " (no PNG: pip install matplotlib)"
+        return " (no plot written: pip install matplotlib)"
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for i, r in enumerate(results):
         ranks = range(len(r.sent_mb))
@@ -296,4 +300,5 @@ def _plot_bench(results: list[BenchResult], path: str) -> str:
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    plt.close(fig)
     return f" and {path}"

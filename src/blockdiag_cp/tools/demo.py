@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ STDLIB_MODULES = (
     "tokenize", "traceback", "typing", "unittest", "uuid", "weakref", "zipfile",
 )
 VOCAB = 257  # bytes + one separator
+PNG_NAME = "demo.png"  # written into --out
 LOSS_TOL = MappingProxyType({"float64": 1e-9, "float32": 2e-4})
 
 
@@ -174,8 +176,7 @@ def run_demo(args: argparse.Namespace) -> int:
     worst = max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(cp, reference))
     ok = worst <= tol
     _summary(logs, rows)
-    path = _plot(args.out, cp, reference, logs)
-    print(f"plot: {path}")
+    print(_plot(os.path.join(args.out, PNG_NAME), cp, reference, logs))
     print(f"verdict: {'MATCH' if ok else 'MISMATCH'} (largest relative loss difference {worst:.1e}, tolerance {tol:.0e}); "
           f"{time.perf_counter() - start:.0f}s")
     return 0 if ok else 1
@@ -194,14 +195,14 @@ def _summary(logs, rows) -> None:
               f"K/V exchange planned {planned / 1e3:.1f} kB, measured sent {avg_sent / 1e3:.1f} kB")
 
 
-def _plot(out: str, cp: list[float], reference: list[float], logs) -> str:
+def _plot(path: str, cp: list[float], reference: list[float], logs) -> str:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "(not written: pip install matplotlib)"
+        return "no plot written (pip install matplotlib)"
     world = len(logs)
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     steps = range(1, len(cp) + 1)
@@ -217,5 +218,6 @@ def _plot(out: str, cp: list[float], reference: list[float], logs) -> str:
     for ax in axes[1:]:
         ax.set_xticks(range(world))
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    return out
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"wrote {path}"

@@ -12,15 +12,21 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
+from ..registry import AUTO, EXCHANGES, LAYOUTS
 
-from ..plan.cost import SchemeCost, candidate_degrees, pick_degree, scheme_cost
-from ..plan import make_plan
-from ..testing import doc_ids_from_lengths
-from .bench import doc_lengths
+if TYPE_CHECKING:
+    from ..plan.cost import SchemeCost
 
+# The planning modules import torch: they are imported inside the functions that plan, so
+# that `add_plan_args` (what ``blockdiag-cp --help`` needs) imports nothing heavy.
+
+#: the exchanges `plan` sizes between head-parallel groups: every one but ring
+PLAN_EXCHANGES = tuple(e for e in EXCHANGES.choices if e != "ring")
 DTYPE_BYTES = MappingProxyType({"bfloat16": 2, "float16": 2, "float32": 4})
 
 
@@ -34,6 +40,8 @@ class Scheme:
 def schemes(world: int, heads: int, exchange: str, degree: str = "all") -> list[Scheme]:
     """All-gather and needed-only (degree 1), hybrid at each degree between (only `degree` when
     it is a number), pure Ulysses."""
+    from ..plan.cost import candidate_degrees
+
     out = [Scheme("allgather", 1, "allgather"), Scheme(f"needed-only ({exchange})", 1, exchange)]
     for u in candidate_degrees(world, heads):
         if 1 < u < world and (not degree.isdigit() or u == int(degree)):
@@ -45,6 +53,11 @@ def schemes(world: int, heads: int, exchange: str, degree: str = "all") -> list[
 
 def plan_costs(args: argparse.Namespace) -> tuple[list[tuple[Scheme, SchemeCost]], float]:
     """Each scheme's cost for the row `args` describes, and the seconds planning took."""
+    from ..plan import make_plan
+    from ..plan.cost import scheme_cost
+    from ..testing import doc_ids_from_lengths
+    from .bench import doc_lengths
+
     t0 = time.perf_counter()
     ids = doc_ids_from_lengths(doc_lengths(args.docs, args.seq_len))
     plan = make_plan(ids, args.world, args.layout)
@@ -70,6 +83,8 @@ def table(args: argparse.Namespace, costs: list[tuple[Scheme, SchemeCost]]) -> l
 def auto_choice(costs: list[tuple[Scheme, SchemeCost]], args: argparse.Namespace) -> tuple[str, str]:
     """What ``ulysses_degree='auto'`` takes (`cost.pick_degree` over the degrees of `--exchange`), and the
     fastest predicted scheme."""
+    from ..plan.cost import pick_degree
+
     candidates = [(s, c) for s, c in costs if s.exchange == args.exchange]
     degree = pick_degree([c for _, c in candidates]).degree
     by_bytes = next(s for s, c in candidates if s.degree == degree)
@@ -104,22 +119,25 @@ def plan_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def add_plan_args(p: argparse.ArgumentParser, positive, choices) -> None:
-    """The ``plan`` subcommand's options (positive: an int parser; choices: (exchanges, layouts))."""
-    exchanges, layouts = choices
+def add_plan_args(p: argparse.ArgumentParser, positive: Callable[[str], int]) -> None:
+    """The ``plan`` subcommand's options (positive: the CLI's positive-integer parser)."""
+    exchanges = "; ".join([f"{AUTO}: the step picks (see docs)"]
+                          + [f"{s.name}: {s.summary}" for s in EXCHANGES if s.name in PLAN_EXCHANGES])
     p.add_argument("--world", type=positive, default=64, help="CP ranks of the run being sized")
-    p.add_argument("--gpus-per-node", type=positive, default=8)
+    p.add_argument("--gpus-per-node", type=positive, default=8, help="ranks per node (the links among them are intra-node)")
     p.add_argument("--ulysses-degree", default="all",
-                   help="'all' (every scheme), 'auto', or a degree: the rows to show")
-    p.add_argument("--seq-len", type=positive, default=1 << 20)
-    p.add_argument("--docs", default="powerlaw:300", help="as for bench: a,b,c | one | mixed | uniform:N | powerlaw:N")
-    p.add_argument("--layout", choices=layouts, default="balanced")
-    p.add_argument("--exchange", choices=[e for e in exchanges if e != "ring"], default="auto",
-                   help="the exchange between head-parallel groups")
-    p.add_argument("--heads", type=positive, default=32)
-    p.add_argument("--kv-heads", type=positive, default=8)
-    p.add_argument("--head-dim", type=positive, default=128)
-    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16")
+                   help="the rows to show: all (every scheme), auto (what ulysses_degree='auto' picks) or a degree")
+    p.add_argument("--seq-len", type=positive, default=1 << 20, help="tokens of the packed row")
+    p.add_argument("--docs", default="powerlaw:300",
+                   help="document lengths, as for bench: a,b,c (rest padded), one, mixed, uniform:N or powerlaw:N")
+    p.add_argument("--layout", choices=LAYOUTS.choices, default="balanced",
+                   help="which positions each rank owns. " + LAYOUTS.help())
+    p.add_argument("--exchange", choices=PLAN_EXCHANGES, default=AUTO,
+                   help="the exchange between head-parallel groups (ring is not planned). " + exchanges)
+    p.add_argument("--heads", type=positive, default=32, help="query heads")
+    p.add_argument("--kv-heads", type=positive, default=8, help="K/V heads (divides --heads)")
+    p.add_argument("--head-dim", type=positive, default=128, help="head dimension")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16", help="K/V dtype on the wire")
     p.add_argument("--intra-gbps", type=float, default=400.0, help="per-GPU intra-node bandwidth, GB/s")
     p.add_argument("--inter-gbps", type=float, default=50.0, help="per-GPU inter-node bandwidth, GB/s")
     p.add_argument("--tflops", type=float, default=400.0, help="attention throughput per GPU, TFLOP/s")
