@@ -97,3 +97,21 @@ def test_windowed_work_is_linear_and_balanced():
         assert int(total) <= 128 * ids.numel()  # linear: at most w keys per query
     with pytest.raises(ValueError, match="window"):
         plan_shards(ids, 2, "balanced", window=0)
+
+
+@pytest.mark.parametrize("world, segments", [(3, (13, 12)), (4, (6, 18, 18)), (3, (11, 23, 10))])
+def test_the_refinement_loop_balances_rows_the_first_fold_cannot(world, segments):
+    """Rows where folding whole-length chunks leaves a rank > 5% off the mean: halving the chunk
+    (Note [Balanced planner], step 3) must bring every rank within the tolerance."""
+    from blockdiag_cp.plan import balanced
+    from blockdiag_cp.plan.shard_plan import pad_doc_ids, query_work
+
+    ids_S = doc_ids_from_lengths(segments)
+    L = -(-ids_S.numel() // world)
+    ids = pad_doc_ids(ids_S, L * world)
+    work = query_work(ids).numpy()
+    first = balanced._fold(balanced._chunk_order(query_work(ids).numpy() - 1, balanced._document_lengths(ids), L),
+                           work, world, L)
+    assert balanced._spread(first, work) > BALANCE_TOLERANCE  # the row needs the refinement
+    per_rank = attention_work(plan_shards(ids_S, world, "balanced"), ids_S).double()
+    assert float((per_rank - per_rank.mean()).abs().max() / per_rank.mean()) <= BALANCE_TOLERANCE

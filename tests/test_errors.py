@@ -256,3 +256,21 @@ def test_non_causal_modules_are_refused_inside_a_step():
     encoder = types.SimpleNamespace(is_causal=False)
     with train_ctx(), pytest.raises(ValueError, match="not causal"):
         blockdiag_cp_attention(encoder, *qkv(8), None)
+
+
+def test_unknown_keyword_arguments_are_named_once_per_call_site_and_change_nothing():
+    import warnings
+
+    from blockdiag_cp import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+
+    q = torch.randn(1, 2, 6, 4)
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": torch.ones(1, 6, dtype=torch.long)})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        with ctx():
+            expected = cp_blockdiag_sdpa(q, q, q)
+            for _ in range(3):  # one attention layer called three times: one warning
+                out = cp_blockdiag_sdpa(q, q, q, sliding_windw=2)
+    named = [w for w in caught if "sliding_windw" in str(w.message)]
+    assert len(named) == 1 and "sliding_window" in str(named[0].message)
+    assert torch.equal(out, expected)  # the misspelt window is ignored, as the seed's signature does

@@ -55,13 +55,21 @@ def cp_blockdiag_sdpa(
         softcap: logits become ``softcap * tanh(logit / softcap)`` (Gemma 2).
         sinks: ``[H]`` learned logits, one per head, added to every row's softmax
             denominator (gpt-oss); they receive a gradient.
-        **kwargs: accepted for signature compatibility with callers; unused.
+        **kwargs: accepted as the seed's signature does, so callers that pass extra
+            arguments keep working; unused, and named in a warning (once per call site: a
+            typo such as ``sliding_windw=`` would otherwise change nothing silently).
 
     The three layer features exist inside a step only (stock SDPA has none).
 
     Returns:
         ``[1, H, L, D]``, dtype of `query`. Padding rows are zeros.
     """
+    if kwargs:
+        warnings.warn(
+            f"cp_blockdiag_sdpa ignores the keyword argument(s) {', '.join(sorted(kwargs))} (unknown to it; a "
+            "typo?). It takes attn_mask, dropout_p, is_causal, scale, enable_gqa, sliding_window, softcap, sinks.",
+            stacklevel=2,
+        )
     state = STEP_SLOT.current()
     features = LayerFeatures(sliding_window, softcap, sinks)
     if state is None:

@@ -7,7 +7,7 @@
     ulysses.py    head all-to-alls inside head-parallel groups, any exchange between them
 """
 
-from .base import ExchangeSetup, KVExchange, Traffic
+from .base import ExchangeSetup, KVExchange, LayerBytes, Traffic
 from .choose import build_exchange, route_exchange
 
-__all__ = ("ExchangeSetup", "KVExchange", "Traffic", "build_exchange", "route_exchange")
+__all__ = ("ExchangeSetup", "KVExchange", "LayerBytes", "Traffic", "build_exchange", "route_exchange")

@@ -24,9 +24,10 @@ from ..kernels.base import add_sinks, save_for_backward, saved_for_backward, sin
 
 @dataclass(frozen=True)
 class Traffic:
-    """K/V rows (one row = one token's K and V, all K/V heads) this rank moves per attention call.
+    """What this rank moves per attention call, forward and backward (``*_bwd``: the gradients).
 
-    ``sent_bwd``/``recv_bwd`` are the gradient rows of the backward pass.
+    An exchange's `traffic` counts K/V rows (one row = one token's K and V, all K/V heads);
+    `bytes` turns it into bytes.
     """
 
     sent_fwd: int
@@ -34,10 +35,32 @@ class Traffic:
     sent_bwd: int
     recv_bwd: int
 
-    def bytes(self, kv_heads: int, head_dim: int, dtype: torch.dtype) -> dict[str, int]:
+    @property
+    def sent(self) -> int:
+        """Sent forward and backward."""
+        return self.sent_fwd + self.sent_bwd
+
+    def bytes(self, kv_heads: int, head_dim: int, dtype: torch.dtype) -> "Traffic":
         """The same four numbers in bytes, for K and V of `kv_heads` heads of `head_dim`."""
         row = 2 * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
-        return {name: getattr(self, name) * row for name in ("sent_fwd", "recv_fwd", "sent_bwd", "recv_bwd")}
+        return Traffic(self.sent_fwd * row, self.recv_fwd * row, self.sent_bwd * row, self.recv_bwd * row)
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    """Bytes one rank moves per attention layer (`StepState.bytes_per_layer`).
+
+    Attributes:
+        ulysses: the head all-to-alls (zeros without head parallelism).
+        kv: K/V rows between ranks, or between head-parallel groups.
+    """
+
+    ulysses: Traffic
+    kv: Traffic
+
+    @property
+    def sent(self) -> int:
+        return self.ulysses.sent + self.kv.sent
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..errors import ensure
 from ..kernels import AttentionKernel, CallOptions, ItemTable, merge_partial
+from ..plan.geometry import StepGeometry
 from ..kernels.base import accumulate_dtype, add_sinks, save_for_backward, saved_for_backward, sinks_grad
 from .base import ExchangeSetup, KVExchange, Traffic, fuse_rows, token_major, unfuse_rows
 
@@ -86,7 +87,7 @@ class RingExchange(KVExchange):
                     "not expose; use kernel='sdpa' or 'dense', or another exchange ('auto', 'a2a', 'halo')"
                 )
         self.rank, self.world, self.group = setup.rank, setup.world, setup.group
-        travel = _travel_rows(setup)
+        travel = travel_rows(setup.geometry)
         self.hops = tuple(_route_hop(setup, travel, t) for t in range(setup.world))
 
     @property
@@ -189,13 +190,13 @@ def _return_block_grads(ring: RingExchange, t: int, hop: Hop, d_block: Optional[
         d_own.index_add_(0, hop.grad_recv_rows, received[0])
 
 
-def _travel_rows(setup: ExchangeSetup) -> list[list[torch.Tensor]]:
+def travel_rows(geometry: StepGeometry) -> list[list[torch.Tensor]]:
     """``travel[o][t]``: rows of owner o's block that arrive at rank o + t (ascending).
 
     ``travel[o][0]`` is the whole block; for t >= 1 the rows some rank among
-    ``o + t, ..., o + world - 1`` needs.
+    ``o + t, ..., o + world - 1`` needs. (The cost model counts the ring's bytes from it.)
     """
-    geometry, W = setup.geometry, setup.world
+    W = geometry.world
     positions = geometry.plan.positions_WL
     travel = []
     for o in range(W):

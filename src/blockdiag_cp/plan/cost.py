@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from ..config import CPConfig
+from ..exchange.ring import travel_rows
 from ..parallel.heads import split_kv_heads, ulysses_peer_elements
 from .geometry import StepGeometry
 from . import ShardPlan, attention_work, make_plan, merge_consecutive_ranks
@@ -114,11 +115,19 @@ def _kv_rows_to(geometry: StepGeometry, g: int, exchange: str) -> torch.Tensor:
     groups = geometry.world
     if groups == 1:
         return torch.zeros(1)
+    transfer = geometry.transfer  # [dst, src]: rows dst needs from src
     if exchange in NEEDED_ONLY:
-        transfer = geometry.transfer  # [dst, src]
         return (transfer[:, g] + transfer[g, :]).double()  # K/V rows out, gradients of received rows back
+    if exchange == "ring":
+        # blocks go on to the right neighbour, trimmed (Note [Trimmed ring with log-sum-exp merge]), in
+        # forward and again in backward; each hop's gradients go straight back to the block's owner
+        travel = travel_rows(geometry)
+        rows = transfer[g, :].double()
+        rows[g] = 0.0
+        rows[(g + 1) % groups] += 2 * sum(travel[(g - t) % groups][t + 1].numel() for t in range(groups - 1))
+        return rows
     rows = torch.full((groups,), 2.0 * geometry.plan.local_len)  # an all-gather and its reduce-scatter: one shard
-    rows[g] = 0.0  # per other group each way (attributed evenly; a ring sends them all to one neighbour)
+    rows[g] = 0.0  # per other group each way
     return rows
 
 

@@ -1,8 +1,10 @@
 """`StepState`: everything one CP step needs, planned once from replicated document ids.
 
 `build_step_state` runs the shard plan, the geometry, the kernel choice (and each
-kernel's call table) and the exchange's routing; the result is frozen. The slot that
-makes a state the active one is in slot.py.
+kernel's call table) and the exchange's routing. Its fields are fixed once built; what a
+step adds later is the routing of each sliding-window layer kind, made on its first call
+and kept (`exchange_for`), and the notes of its calls (`call_notes`). The slot that makes
+a state the active one is in slot.py.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import CPConfig
-from ..exchange import KVExchange, Traffic, route_exchange
+from ..exchange import KVExchange, LayerBytes, Traffic, route_exchange
 from ..kernels import AttentionKernel, fallback_kernels, select_kernel
 from ..parallel.heads import HeadGroups, HeadParallel, split_kv_heads, ulysses_elements
 from ..plan import ShardPlan, attention_work, make_plan
@@ -101,18 +103,15 @@ class StepState:
         return self.exchange.traffic
 
     def bytes_per_layer(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                        window: Optional[int] = None) -> dict[str, dict[str, int]]:
-        """Bytes this rank moves per attention layer of `heads` / `kv_heads` heads of `head_dim`:
-        ``"ulysses"`` (the head all-to-alls; zeros without head parallelism) and ``"kv"`` (K/V rows
-        between ranks, or between head-parallel groups), each as sent/received, forward/backward."""
+                        window: Optional[int] = None) -> LayerBytes:
+        """Bytes this rank moves per attention layer of `heads` / `kv_heads` heads of `head_dim`
+        (the head all-to-alls and the K/V rows, each sent/received, forward/backward)."""
         size = torch.empty(0, dtype=dtype).element_size()
         degree = 1 if self.heads is None else self.heads.groups.degree
         kv_per_rank = split_kv_heads(kv_heads, degree)
         moved = ulysses_elements(degree, self.local_len, heads, kv_heads, head_dim) * size
-        return {
-            "ulysses": dict.fromkeys(("sent_fwd", "recv_fwd", "sent_bwd", "recv_bwd"), moved),
-            "kv": self.exchange_for(window).traffic.bytes(kv_per_rank, head_dim, dtype),
-        }
+        kv = self.exchange_for(window).traffic.bytes(kv_per_rank, head_dim, dtype)
+        return LayerBytes(Traffic(moved, moved, moved, moved), kv)
 
     def work_per_rank(self, window: Optional[int] = None) -> torch.Tensor:
         """``[W]``: causal attention work (query-key pairs, all heads) per rank (under a sliding `window`).
@@ -134,8 +133,9 @@ def build_step_state(
     """Plan a step from replicated, validated document ids ``[S]``: layout, exchange, kernel.
 
     Every input is identical on all ranks of the group (the ranks-agree check runs
-    before this), so every rank reaches the same state without communicating.
-    `heads`: this rank's head-parallel groups (`groups.head_groups`); None plans
+    before this), so every rank reaches the same state without exchanging plans (on NCCL,
+    one warm-up all-reduce runs when the step's first operation would be point-to-point).
+    `heads`: this rank's head-parallel groups (`parallel.heads.head_groups`); None plans
     ``config.ulysses_degree`` (an int) without process groups, as tools do.
     """
     plan = make_plan(doc_ids_S.cpu(), world, config.layout, config.balance_window)

@@ -146,7 +146,7 @@ def cp_worker(rank: int, world: int, rows, dtype_name, layout, exchange, kernel,
         kv = state.traffic.bytes(model.config.num_key_value_heads, model.config.head_dim, dtype)
         layers = model.config.num_hidden_layers
         log.append({"loss": value.item(), "sent_bytes": sent, "work": state.work_per_rank().tolist(),
-                    "kv_bytes_planned": layers * (kv["sent_fwd"] + kv["sent_bwd"]),
+                    "kv_bytes_planned": layers * kv.sent,
                     "exchange": state.exchange.name, "kernel": state.kernel.name})
         if rank == 0:
             diff = abs(value.item() - reference[step])
