@@ -19,5 +19,5 @@ except ImportError as exc:
     print("torch varlen_attn: none", exc)
 PY
 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" --timeout 90 \
-    tests/test_gpu.py 2>&1 | tee "$out/test_gpu.log"
+    tests/gpu/test_cuda_kernels.py 2>&1 | tee "$out/test_gpu.log"
 timeout "${CHECK_TIMEOUT:-300}" python3 benchmarks/gpu_check.py 2>&1 | tee "$out/gpu_check.md"

@@ -38,4 +38,6 @@ def rank_pools():
 
     yield get
     for pool in pools.values():
+        pool.stop()  # every pool's ranks tear down at once
+    for pool in pools.values():
         pool.close()

@@ -1,4 +1,4 @@
-"""Leak probe in the style of TRL issue 6843, run under torchrun by tests/test_trainer.py.
+"""Leak probe in the style of TRL issue 6843, run under torchrun by tests/integrations/test_trainer.py.
 
 Packs documents with TRL's padding-free collator, runs the packed row through the CP
 trainer's own batch hook and the model under CP, and compares every token's loss before

@@ -369,9 +369,14 @@ class RankPool:
                     deadline = min(deadline, time.monotonic() + self.failure_grace)
         return replies
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Ask every rank to leave (returns at once; `close` waits). Stopping several pools first
+        lets their ranks tear down at the same time."""
         for q in self._tasks:
             q.put(None)
+
+    def close(self) -> None:
+        self.stop()
         for p in self._procs:
             p.join(timeout=10)
             if p.is_alive():

@@ -1,4 +1,4 @@
-"""gather_sequence round trips; verify under torchrun (gloo). The training examples: tests/test_trainer.py."""
+"""gather_sequence round trips; verify under torchrun (gloo). The training examples: tests/integrations/test_trainer.py."""
 
 import pathlib
 import subprocess
@@ -9,7 +9,7 @@ import torch
 
 from blockdiag_cp.testing import doc_ids_from_lengths
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SEGMENTS = (7, -2, 12, 1, 5)  # S = 27
 
 
@@ -53,6 +53,7 @@ def torchrun(nproc, *args, timeout=300):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_verify_under_torchrun_uses_the_launched_group():
     result = torchrun(2, "-m", "blockdiag_cp", "verify", "--segments", "40,-3,55,9", "--heads", "4", "--kv-heads", "2",
                       "--head-dim", "16", "--exchange", "a2a")

@@ -30,6 +30,7 @@ segments = st.lists(st.one_of(st.integers(1, 24), st.integers(-6, -1)), min_size
 heads = st.sampled_from([(4, 4), (4, 2), (6, 3), (8, 1)])
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(segs=segments, hk=heads, layout=st.sampled_from(["contiguous", "balanced"]), seed=st.integers(0, 99))
 def test_random_layouts_match_the_oracle(pool, segs, hk, layout, seed):
@@ -74,6 +75,7 @@ def isolation_worker(rank, world, segments, doc, combos):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_perturbing_one_document_changes_no_other_bit(world):
     from blockdiag_cp.testing import doc_ids_from_lengths
@@ -94,6 +96,7 @@ def test_perturbing_one_document_changes_no_other_bit(world):
             assert torch.equal(grad_a[0, others], grad_b[0, others]), combo
 
 
+@pytest.mark.slow
 def test_runs_are_bitwise_deterministic():
     """Two runs in fresh processes give the same output rows and input gradients, bit for bit."""
     case_list = [ParityCase((11, 2, -3, 23, 4), heads=4, kv_heads=2, kv_exchange=ex, kernel=k, layout=lay)
@@ -170,6 +173,7 @@ def memory_worker(rank, world, S):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
 
 
+@pytest.mark.slow
 def test_memory_grows_linearly_with_sequence_length():
     sizes = (65536, 131072, 262144)  # large enough that the step, not start-up, sets the peak
     peaks = {S: max(spawn(memory_worker, 2, S)) for S in sizes}

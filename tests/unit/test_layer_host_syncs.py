@@ -3,7 +3,7 @@
 On CPU a host sync is invisible, so the tests count the conversions that would be one
 on a GPU (`.item()`, `.tolist()`, `bool()` of a tensor, `.cpu()`, `nonzero`, ...),
 through a torch-function mode, during every layer's forward and backward after the
-first layer's. tests/test_gpu.py runs the same on CUDA under
+first layer's. tests/gpu/test_cuda_kernels.py runs the same on CUDA under
 ``torch.cuda.set_sync_debug_mode("error")``.
 """
 

@@ -18,7 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 
@@ -60,9 +60,9 @@ def assert_same_predictions(got, want, lengths):
         assert bool((got[i, n:] == -100).all()), f"row {i}: padding positions are not filled with -100"
 
 
-def assert_same_run(cp_lines, reference, params_path, loss_tol, param_tol, eval_lengths=None, same_padding=True):
-    """`same_padding`: the reference pads rows as the CP run does (not one process padding every
-    replica's rows together), so the Trainer's FLOP count (from padded sizes) must agree too."""
+def assert_same_run(cp_lines, reference, params_path, loss_tol, param_tol, eval_lengths=None):
+    """The CP run's logged steps, counts, evaluation, predictions and parameters against `reference`
+    (whose rows must be padded as the CP run pads them: the Trainer's FLOP count reads padded sizes)."""
     got = logged_run(cp_lines, params_path)
     assert len(got["loss"]) == len(reference["loss"]) >= 4, (got["loss"], reference["loss"])
     for a, b in zip(got["loss"], reference["loss"]):
@@ -72,7 +72,7 @@ def assert_same_run(cp_lines, reference, params_path, loss_tol, param_tol, eval_
     for key in ("tokens_seen", "num_tokens"):  # counted once per replica: real tokens, not CP's row padding
         if reference.get(key) is not None and any(v is not None for v in reference[key]):
             assert got[key] == reference[key], (key, got[key], reference[key])
-    if same_padding and reference.get("total_flos") is not None:  # each replica's FLOPs counted once, not once per CP rank
+    if reference.get("total_flos") is not None:  # each replica's FLOPs counted once, not once per CP rank
         assert got["total_flos"] == pytest.approx(reference["total_flos"], rel=1e-6), (got["total_flos"], reference["total_flos"])
     if reference.get("eval_loss") is not None:
         assert got["eval_loss"] is not None and abs(got["eval_loss"] - reference["eval_loss"]) <= loss_tol * reference["eval_loss"]
@@ -85,22 +85,14 @@ def assert_same_run(cp_lines, reference, params_path, loss_tol, param_tol, eval_
     assert relative <= param_tol, relative
 
 
-@pytest.mark.parametrize(
-    "nproc, cp, flags",
-    [
-        (2, 2, ["--collator", "flatten", "--checkpointing", "--evaluate"]),  # dp=1 x cp=2, padding-free rows
-        (4, 2, ["--collator", "pad", "--checkpointing", "--layout", "contiguous"]),  # dp=2 x cp=2, padded B > 1 rows
-        (4, 4, ["--collator", "flatten", "--ulysses-degree", "2"]),  # dp=1 x cp=4: head all-to-all in pairs
-    ],
-    ids=["dp1xcp2-flatten", "dp2xcp2-padded", "dp1xcp4-ulysses2"],
-)
-def test_trainer_equals_the_run_without_cp(tmp_path, nproc, cp, flags):
+@pytest.mark.slow
+def test_trainer_with_head_parallel_cp_equals_the_run_without_cp(tmp_path):
+    """dp=1 x cp=4 with the head all-to-all in pairs (ulysses_degree=2), padding-free rows."""
     trainer_example = example("train_trainer")
-    common = ["--steps", "4", "--accum", "2", *flags]
-    cp_lines = torchrun(nproc, "train_trainer.py", "--cp", str(cp), "--save", str(tmp_path / "p.pt"), *common)
-    reference = trainer_example.run(trainer_example.parse_args(["--cp", "0", "--dp", str(nproc // cp), *common]))
-    padded_together = nproc // cp > 1 and "pad" in flags
-    assert_same_run(cp_lines, reference, tmp_path / "p.pt", loss_tol=2e-4, param_tol=1e-5, same_padding=not padded_together)
+    common = ["--steps", "4", "--accum", "2", "--collator", "flatten", "--ulysses-degree", "2"]
+    cp_lines = torchrun(4, "train_trainer.py", "--cp", "4", "--save", str(tmp_path / "p.pt"), *common)
+    reference = trainer_example.run(trainer_example.parse_args(["--cp", "0", *common]))
+    assert_same_run(cp_lines, reference, tmp_path / "p.pt", loss_tol=2e-4, param_tol=1e-5)
 
 
 #: whole epochs over sets that do not divide into batches: short last train and eval batches, with the
@@ -109,20 +101,24 @@ PARTIAL = ["--train-docs", "30", "--batch", "4", "--accum", "2", "--eval-docs", 
            "--evaluate", "--predict"]
 
 
+@pytest.mark.slow
 def test_partial_last_batches_at_dp1_equal_the_run_without_cp(tmp_path):
-    """dp=1 x cp=2, a stream: without CP one process reads every batch as it comes, the short last
-    one too (no samples repeated from the start); eval loss and predicted logits are the unsharded run's."""
+    """dp=1 x cp=2, a stream of padding-free rows, activation checkpointing: without CP one process
+    reads every batch as it comes, the short last one too (no samples repeated from the start); eval
+    loss and predicted logits are the unsharded run's."""
     trainer_example = example("train_trainer")
-    common = [*PARTIAL, "--iterable", "--steps", "6"]  # a stream has no length: steps cross the epoch's end
+    common = [*PARTIAL, "--iterable", "--steps", "6", "--checkpointing"]  # a stream has no length: steps cross the epoch's end
     cp_lines = torchrun(2, "train_trainer.py", "--cp", "2", "--save", str(tmp_path / "p.pt"), *common)
     reference = trainer_example.run(trainer_example.parse_args(["--cp", "0", *common]))
     assert_same_run(cp_lines, reference, tmp_path / "p.pt", loss_tol=2e-6, param_tol=1e-6)
 
 
+@pytest.mark.slow
 def test_partial_last_batches_at_dp2_equal_plain_ddp(tmp_path):
     """dp=2 x cp=2 against plain DDP on 2 processes (accelerate completes the short last batches the
-    same way in both), padded rows: train, eval loss and the gathered, unsharded predictions."""
-    common = [*PARTIAL, "--epochs", "2", "--collator", "pad"]
+    same way in both), padded B > 1 rows, the contiguous layout, activation checkpointing: train, eval
+    loss and the gathered, unsharded predictions."""
+    common = [*PARTIAL, "--epochs", "2", "--collator", "pad", "--layout", "contiguous", "--checkpointing"]
     cp_lines = torchrun(4, "train_trainer.py", "--cp", "2", "--save", str(tmp_path / "p.pt"), *common)
     ddp_lines = torchrun(2, "train_trainer.py", "--cp", "0", "--save", str(tmp_path / "ddp.pt"), *common)
     reference = logged_run(ddp_lines, tmp_path / "ddp.pt")
@@ -130,6 +126,7 @@ def test_partial_last_batches_at_dp2_equal_plain_ddp(tmp_path):
     assert_same_run(cp_lines, reference, tmp_path / "p.pt", loss_tol=2e-6, param_tol=1e-6, eval_lengths=lengths)
 
 
+@pytest.mark.slow
 def test_trainer_bf16_autocast_on_a_stream_equals_the_run_without_cp(tmp_path):
     """dp=2 x cp=2, bf16 autocast, an iterable dataset (sharded over the dp replicas only)."""
     trainer_example = example("train_trainer")
@@ -139,6 +136,7 @@ def test_trainer_bf16_autocast_on_a_stream_equals_the_run_without_cp(tmp_path):
     assert_same_run(cp_lines, reference, tmp_path / "p.pt", loss_tol=5e-3, param_tol=5e-3)
 
 
+@pytest.mark.slow
 def test_trl_sft_packing_equals_the_run_without_cp(tmp_path):
     """A whole epoch of packed rows in batches of 5 (a short last batch); TRL's logged num_tokens too."""
     pytest.importorskip("trl")
@@ -149,6 +147,7 @@ def test_trl_sft_packing_equals_the_run_without_cp(tmp_path):
     assert_same_run(cp_lines, reference, tmp_path / "p.pt", loss_tol=2e-4, param_tol=1e-5)
 
 
+@pytest.mark.slow
 def test_no_token_loss_leaks_across_packed_documents_under_cp():
     """TRL issue 6843's probe: change one packed document's tokens; no other document's per-token loss moves."""
     pytest.importorskip("trl")
@@ -158,6 +157,7 @@ def test_no_token_loss_leaks_across_packed_documents_under_cp():
     assert report["changed_elsewhere"] == 0, report
 
 
+@pytest.mark.slow
 def test_fsdp2_example_equals_the_single_process_run():
     fsdp2 = example("train_fsdp2")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",

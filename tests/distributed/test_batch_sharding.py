@@ -49,6 +49,7 @@ def shard_worker(rank, world, layout, mrope):
     return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}, sorted(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["contiguous", "balanced"])
 @pytest.mark.parametrize("world,mrope", [(3, False), (4, True)])
 def test_every_rank_gets_exactly_its_planned_positions(world, layout, mrope, rank_pools):

@@ -190,6 +190,7 @@ def test_ring_refuses_kernels_without_log_sum_exp(fake_flash):
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 @pytest.mark.parametrize("softcap", [None, 1.5])
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
 def test_flex_forward_on_cpu_matches_dense(name, softcap):
     segments, (world, rank) = SCENARIOS[name]
     items, _ = rank_items(segments, world, rank)

@@ -109,6 +109,7 @@ def zoo_worker(rank, world, names):
     return worst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_model_families_match_each_document_run_alone(world, rank_pools):
     names = tuple(ZOO)
@@ -127,4 +128,4 @@ def test_sliding_window_outside_a_step_on_a_packed_row():
         model = make_model(name, "blockdiag_cp")
         logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
         scale = max(1.0, float(ref_logits.abs().max()))
-        assert float((logits - ref_logits).abs().max()) / scale <= ZOO[name][5], name
+        assert float((logits - ref_logits).detach().abs().max()) / scale <= ZOO[name][5], name

@@ -167,6 +167,7 @@ def position_break_worker(rank, world, kind):
     return float((full - want).abs().max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["start_at_1", "chunk"])
 def test_position_breaks_split_documents_inside_a_step(kind, rank_pools):
     assert all(err < 1e-10 for err in rank_pools(2).run(position_break_worker, kind))
@@ -227,6 +228,7 @@ def late_backward_worker(rank, world, reentrant):
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_transformers_backward_after_the_step_is_refused_on_every_rank(reentrant):
     messages = spawn(late_backward_worker, 2, reentrant)
@@ -262,6 +264,7 @@ def mismatch_worker(rank, world, what):
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["heads", "head_dim", "dtype"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_passing_different_shapes_or_dtypes_fail_together(what, world):
@@ -287,6 +290,7 @@ def bad_shard_worker(rank, world):
     return None
 
 
+@pytest.mark.slow
 def test_a_rank_with_a_wrong_shard_fails_every_rank():
     messages = spawn(bad_shard_worker, 3, timeout=120)
     assert "shard of length" in messages[1]
@@ -302,6 +306,7 @@ def test_meta_inputs_embeds_are_a_clear_error():
 # --- the command line ---------------------------------------------------------------------
 
 
+@pytest.mark.slow  # one CLI process per case; tests/contract/test_cli.py checks the error format fast
 @pytest.mark.parametrize(
     "argv, message",
     [

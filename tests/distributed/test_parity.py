@@ -20,6 +20,7 @@ def results_for(world: int):
     return spawn(parity_worker, world, matrix_cases(world), timeout=600)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("exchange", EXCHANGES)
 def test_matches_float64_oracle(world, exchange):
@@ -58,7 +59,7 @@ def expected_routing(case, world):
             "auto": "a2a" if not foreign else ("halo" if halo_serves else "a2a")}
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_every_exchange_routes_as_it_should(world):
     """allgather, a2a and ring run as named; halo and auto run exactly what the geometry calls for."""
     checked = 0
@@ -104,6 +105,7 @@ def many_docs_cases():
             if not (k == "dense" and ex != "auto")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [3])
 def test_hundreds_of_documents_per_rank_match_the_oracle(world):
     """The batching of tiny pieces (padded buckets, equal shapes) is exact, forward and backward."""
@@ -125,6 +127,7 @@ def layer_feature_cases():
             for ex in EXCHANGES for k in ("sdpa", "dense") for lay in ("contiguous", "balanced") for f in features]
 
 
+@pytest.mark.slow
 def test_windows_softcap_and_sinks_match_the_oracle():
     cases = layer_feature_cases()
     for results in spawn(parity_worker, 3, cases, timeout=600):

@@ -173,7 +173,7 @@ def vlm_worker(rank, world, family, layouts, spec=SAMPLES, train_vision=True):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_packed_vlm_rows_match_each_sample_run_alone(family, world, rank_pools):
     total_patches = sum(t * h * w for _, visuals, _ in SAMPLES for _, (t, h, w) in visuals)
     per_rank = rank_pools(world).run(vlm_worker, family, ("contiguous", "balanced"))
@@ -194,6 +194,7 @@ def check_errors(per_rank, layout):
         assert errors["language"] < 1e-7 and errors.get("vision", 0.0) < 1e-7, (layout, errors)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("train_vision", [True, False])
 def test_a_rank_with_no_image_to_encode_still_pairs_the_exchange(train_vision):
     """One image at cp = 3: two ranks encode nothing, yet join the all-gather and its backward
@@ -221,6 +222,7 @@ def test_placeholder_and_grid_mismatches_are_clear_errors():
             vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)), batch)
 
 
+@pytest.mark.slow
 def test_vlm_example_under_torchrun_equals_the_single_process_run():
     """examples/train_vlm.py at dp 2 x cp 2: the logged losses are the single-process run's."""
     import importlib.util
@@ -229,7 +231,7 @@ def test_vlm_example_under_torchrun_equals_the_single_process_run():
     import subprocess
     import sys
 
-    root = pathlib.Path(__file__).resolve().parent.parent
+    root = pathlib.Path(__file__).resolve().parents[2]
     sys.path.insert(0, str(root / "examples"))  # the examples share launch.py
     spec = importlib.util.spec_from_file_location("train_vlm", root / "examples" / "train_vlm.py")
     train_vlm = importlib.util.module_from_spec(spec)

@@ -131,6 +131,7 @@ def disagree_worker(rank, world):
     return None
 
 
+@pytest.mark.slow
 def test_ranks_that_disagree_fail_together():
     messages = spawn(disagree_worker, 3, timeout=120)
     assert all(m is not None and "disagree" in m for m in messages)
@@ -196,6 +197,7 @@ def one_bad_rank_worker(rank, world):
     return None
 
 
+@pytest.mark.slow
 def test_a_batch_rejected_on_one_rank_fails_every_rank():
     messages = spawn(one_bad_rank_worker, 3, timeout=120)
     assert "batch size must be 1" in messages[2]
@@ -240,6 +242,7 @@ def fake_flash_padding_worker(rank, world, checkpoint=None):
             return run_parity_case(case, mesh["cp"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpoint", [None, "reentrant", "non_reentrant"])
 def test_autograd_native_kernel_on_a_padding_rank_keeps_collectives_matched(checkpoint):
     results = spawn(fake_flash_padding_worker, 3, checkpoint, timeout=60)

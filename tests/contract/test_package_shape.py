@@ -6,7 +6,7 @@ import pathlib
 
 import torch
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "src" / "blockdiag_cp"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "src" / "blockdiag_cp"
 #: module-level names allowed to hold a mutable object (Note [Why a process-wide slot];
 #: Note [Sub-groups made once]: process groups live as long as the process)
 MUTABLE_ALLOWED = {"step.slot": {"STEP_SLOT"}, "parallel.heads": {"SUBGROUPS"}}

@@ -130,7 +130,7 @@ def test_forward_continuing_a_cache_matches_sdpa(model, cache, rows, mask):
 def test_packed_row_with_a_fresh_cache_is_attended_per_document(model):
     """One row of three documents (``position_ids`` restarting at each), no mask, and a fresh
     DynamicCache (``use_cache`` left on): logits ``[1, S, VOCAB]`` equal each document run alone.
-    (tests/test_hf.py checks the same row without a cache.)"""
+    (tests/integrations/test_hf.py checks the same row without a cache.)"""
     lengths = (5, 7, 4)
     ids = torch.randint(1, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(3))
     positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)

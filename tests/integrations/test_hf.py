@@ -92,6 +92,7 @@ def cp_worker(rank, world, arch, checkpointing, layout, ulysses=1):
         ("qwen2", 4, "reentrant", "contiguous", 4),  # pure Ulysses, 2 K/V heads over 4 ranks
     ],
 )
+@pytest.mark.slow
 def test_cp_model_matches_documents_run_alone(arch, world, checkpointing, layout, ulysses, rank_pools):
     ref_logits, ref_loss, ref_grads = reference(arch)
     for logits, (loss, hf_loss), grads in rank_pools(world).run(cp_worker, arch, checkpointing, layout, ulysses):
