@@ -73,16 +73,7 @@ def cp_blockdiag_sdpa(
     state = STEP_SLOT.current()
     features = LayerFeatures(sliding_window, softcap, sinks)
     if state is None:
-        refuse_late_recompute(query, key, value)
-        if features != LayerFeatures():
-            raise ValueError(
-                "sliding_window, softcap and sinks work inside a block-diagonal CP step (or through "
-                "attn_implementation='blockdiag_cp'); outside one, cp_blockdiag_sdpa is stock SDPA, which has none"
-            )
-        return F.scaled_dot_product_attention(
-            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-            scale=scale, enable_gqa=enable_gqa,
-        )
+        return _stock_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, features)
     query, key, value = autocast_inputs(query, key, value)
     signature = call_signature(query, key, value, features)
     if STEP_SLOT.needs_agreement(signature):
@@ -93,6 +84,20 @@ def cp_blockdiag_sdpa(
         query, key, value = _MarkStepBackward.apply(step_id, query, key, value)
     return attend_in_step(state, query, key, value, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa,
                           features=features)
+
+
+def _stock_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, features) -> torch.Tensor:
+    """Outside a step: `F.scaled_dot_product_attention` itself (it has no window, softcap or sinks)."""
+    refuse_late_recompute(query, key, value)
+    if features != LayerFeatures():
+        raise ValueError(
+            "sliding_window, softcap and sinks work inside a block-diagonal CP step (or through "
+            "attn_implementation='blockdiag_cp'); outside one, cp_blockdiag_sdpa is stock SDPA, which has none"
+        )
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        enable_gqa=enable_gqa,
+    )
 
 
 def attend_in_step(
@@ -204,7 +209,7 @@ def _agree_on_call(state: StepState, signature: CallSignature, problem: Optional
 
 class _MarkStepBackward(torch.autograd.Function):
     """Identity on ``(q, k, v)`` whose backward tells the slot that backward reached
-    step `step_id` (Note [Late recompute] in slot.py).
+    step `step_id` (Note [Late recompute] in step/slot.py).
 
     It marks the inputs, not the output: backward reaches it only after the attention's
     own backward, so a late recompute (triggered by that backward) is caught first.
@@ -223,7 +228,7 @@ class _MarkStepBackward(torch.autograd.Function):
 
 def refuse_late_recompute(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
     """Raise if this call, outside any step, is a checkpointed CP layer recomputed in
-    backward after its step's ``train_ctx()`` exited (Note [Late recompute] in slot.py).
+    backward after its step's ``train_ctx()`` exited (Note [Late recompute] in step/slot.py).
 
     Such a recompute would silently compute unsharded, unmasked attention.
     """

@@ -97,13 +97,7 @@ def make_cp_blockdiag_batch_and_ctx(
     packed = batch.get("_packed_seq_ids")
     if isinstance(packed, torch.Tensor) and packed.dim() == 1:
         batch["_packed_seq_ids"] = packed.unsqueeze(0)
-    try:
-        seq_dims = check_seq_dims(seq_dims)
-        _, S, device = _check_batch(batch, seq_dims)
-        doc_ids_1S = resolve_doc_ids(batch, S, device, 1)
-        problem = config.ulysses_problem(world)
-    except ValueError as exc:
-        doc_ids_1S, problem = None, exc
+    seq_dims, S, doc_ids_1S, problem = _read_row(batch, seq_dims, config, world)
     if group is not None and config.check_ranks_agree:
         _check_ranks_agree(doc_ids_1S, config, group, _mesh_device(cp_mesh), problem)
     if problem is not None:
@@ -112,6 +106,17 @@ def make_cp_blockdiag_batch_and_ctx(
     heads = step_head_groups(doc_ids_1S[0], world, rank, group, config)
     state = shard_step(batch, doc_ids_1S, world, rank, group, config, padding_token_id, seq_dims, heads)
     return TrainCtx(state), batch
+
+
+def _read_row(batch: dict[str, Any], seq_dims, config: CPConfig, world: int):
+    """``(seq_dims, S, doc ids [1, S], problem)`` of this rank's batch; a bad batch is a `problem`
+    (raised after the ranks agree, so every rank fails alike), with None for what it lacks."""
+    try:
+        seq_dims = check_seq_dims(seq_dims)
+        _, S, device = _check_batch(batch, seq_dims)
+        return seq_dims, S, resolve_doc_ids(batch, S, device, 1), config.ulysses_problem(world)
+    except ValueError as exc:
+        return {}, 0, None, exc
 
 
 def step_head_groups(doc_ids_S: torch.Tensor, world: int, rank: int, group: Any, config: CPConfig) -> HeadGroups:
