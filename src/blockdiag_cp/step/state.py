@@ -23,6 +23,7 @@ from ..kernels import AttentionKernel, fallback_kernels, select_kernel
 from ..parallel.heads import HeadGroups, HeadParallel, split_kv_heads, ulysses_elements
 from ..plan import ShardPlan, attention_work, make_plan
 from ..plan.geometry import StepGeometry
+from ..mixers.conv import ConvPlan
 from .notes import CallNotes
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class StepState:
     call_notes: CallNotes = field(default_factory=CallNotes, compare=False, repr=False)
     _kinds: dict = field(default_factory=dict, compare=False, repr=False)
     _kinds_lock: Any = field(default_factory=threading.Lock, compare=False, repr=False)
+    _conv_plans: dict = field(default_factory=dict, compare=False, repr=False)
 
     def effective_window(self, window: Optional[int]) -> Optional[int]:
         """`window`, or None when it cannot cut any document of the row (it changes nothing)."""
@@ -83,6 +85,13 @@ class StepState:
                 self.call_notes.record_kind(window, exchange.name, reason)
                 self._kinds[window] = exchange
             return self._kinds[window]
+
+    def conv_plan(self, width: int) -> ConvPlan:
+        """The per-document causal convolution of `width` for this step (built on first use, then kept)."""
+        with self._kinds_lock:
+            if width not in self._conv_plans:
+                self._conv_plans[width] = ConvPlan.build(self.geometry, self.rank, self.group, width, self.device)
+            return self._conv_plans[width]
 
     @property
     def plan(self) -> ShardPlan:
