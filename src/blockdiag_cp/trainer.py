@@ -74,7 +74,7 @@ from .step.batch import TrainCtx, check_seq_dims, make_cp_blockdiag_batch_and_ct
 from .config import CPConfig
 from .errors import CPTypeError
 from .step.gather import gather_sequence
-from .mixers import refuse_unrouted_mixers
+from .mixers import prepare_model, refuse_unrouted_mixers
 from .step.rows import flatten_rows
 
 logger = logging.getLogger(__name__)
@@ -157,6 +157,7 @@ class BlockDiagCPMixin:
         self.cp_size, self.cp_config = cp_size, CPConfig() if cp_config is None else cp_config
         self.dp_size = world // cp_size
         _refuse_uneven_replicas(self.accelerator.even_batches, self.args.dataloader_drop_last, self.dp_size)
+        prepare_model(self.model)  # supported hybrid mixers run per document inside the steps
         refuse_unrouted_mixers(self.model, f"in {type(self).__name__} (packed rows{' under CP' if cp_size > 1 else ''})")
         self.cp_mesh, self.dp_rank = _cp_mesh(self.dp_size, cp_size, self.args.device)
         self._cp_step: Optional[StepRows] = None

@@ -4,9 +4,11 @@
                   ``AttentionInterface`` / ``AttentionMaskInterface`` (nothing is monkeypatched)
     vlm.py        make_cp_vlm_batch_and_ctx: a packed vision-language row to a sharded CP step
 
-The Trainer mixin is `blockdiag_cp.trainer`.
+`prepare_model(model)` (from `blockdiag_cp.mixers`) routes a hybrid model's supported token
+mixers per document inside CP steps. The Trainer mixin is `blockdiag_cp.trainer`.
 """
 
+from ..mixers import prepare_model
 from .interface import ATTN_IMPLEMENTATION, blockdiag_cp_attention, blockdiag_cp_mask, register
 from .vlm import make_cp_vlm_batch_and_ctx, vlm_model_inputs
 
@@ -17,6 +19,7 @@ __all__ = (
     "blockdiag_cp_attention",
     "blockdiag_cp_mask",
     "make_cp_vlm_batch_and_ctx",
+    "prepare_model",
     "register",
     "vlm_model_inputs",
 )

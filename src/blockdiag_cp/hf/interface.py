@@ -125,7 +125,7 @@ def blockdiag_cp_attention(
     """
     state = current_step()
     if state is not None:
-        refuse_unrouted_mixers(getattr(module, "config", None), IN_STEP)
+        refuse_unrouted_mixers(getattr(module, "config", None), IN_STEP, state.call_notes.routed_mixers)
         if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
             raise ValueError(
                 f"{type(module).__name__} is not causal (e.g. a vision encoder); inside a CP step blockdiag_cp "
@@ -182,8 +182,9 @@ def blockdiag_cp_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
     attention derives its documents itself. Otherwise exactly ``sdpa_mask(*args, **kwargs)``
     (a ``[B, 1, q_length, kv_length]`` boolean mask, or None where SDPA's ``is_causal`` does).
     """
-    if current_step() is not None:
-        refuse_unrouted_mixers(kwargs.get("config"), IN_STEP)
+    state = current_step()
+    if state is not None:
+        refuse_unrouted_mixers(kwargs.get("config"), IN_STEP, state.call_notes.routed_mixers)
         return None
     call = _SDPA_MASK_SIGNATURE.bind(*args, **kwargs)
     call.apply_defaults()

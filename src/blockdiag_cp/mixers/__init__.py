@@ -4,10 +4,16 @@ blockdiag-cp keeps documents apart inside the attention interface. A layer that 
 tokens without calling it (a Gated DeltaNet or Mamba recurrence, a short causal
 convolution, an RWKV-style scan, a sparse-attention indexer) would carry its state and
 its convolution window across document boundaries on a packed row, and under CP would
-run on the local shard alone, starting from an empty state on every rank. Those layers
-are refused here until they are routed (`refuse_unrouted_mixers`).
+run on the local shard alone, starting from an empty state on every rank. Such layers
+are either routed per document (`prepare_model`, routing.py; the kernels: conv.py) or
+refused, naming them (`refuse_unrouted_mixers`, detect.py).
+
+    detect.py    which mixers a model has outside the attention interface, and the refusal
+    routing.py   prepare_model: per-document forwards for the supported mixer layers
+    conv.py      the per-document causal convolution across CP ranks
 """
 
 from .detect import UnroutedMixer, find_unrouted_mixers, refuse_unrouted_mixers, unrouted_config_mixers
+from .routing import prepare_model
 
-__all__ = ("UnroutedMixer", "find_unrouted_mixers", "refuse_unrouted_mixers", "unrouted_config_mixers")
+__all__ = ("UnroutedMixer", "find_unrouted_mixers", "prepare_model", "refuse_unrouted_mixers", "unrouted_config_mixers")

@@ -29,6 +29,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from .routing import PREPARED_KINDS, ROUTED_KIND
+
 #: layer kinds whose token mixing is attention that blockdiag-cp computes per document
 ROUTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
 #: layer kinds that act on each token alone (feed-forward blocks in a layer-type list)
@@ -63,8 +65,9 @@ class UnroutedMixer:
         return f"{self.kind} at {self.where} ({self.why})"
 
 
-def unrouted_config_mixers(config: Any) -> tuple[UnroutedMixer, ...]:
-    """The token mixers a (text) config declares that the library does not route (Note [Detecting ...]).
+def unrouted_config_mixers(config: Any, routed: frozenset[str] = frozenset()) -> tuple[UnroutedMixer, ...]:
+    """The token mixers a (text) config declares that the library does not route (Note [Detecting ...]);
+    `routed`: layer kinds the model's prepared mixers serve (`routing.prepare_model`).
 
     Reads the config's attributes only (no copy), so it is cheap enough for every attention call.
     """
@@ -76,7 +79,8 @@ def unrouted_config_mixers(config: Any) -> tuple[UnroutedMixer, ...]:
     fields = vars(config) if hasattr(config, "__dict__") else {}
     listed = [name for name in LAYER_TYPE_FIELDS if isinstance(fields.get(name), (list, tuple))]
     if listed:
-        return tuple(mixer for name in listed for mixer in _unrouted_layer_kinds(name, fields[name]))
+        return tuple(mixer for name in listed for mixer in _unrouted_layer_kinds(name, fields[name])
+                     if mixer.kind not in routed)
     sizes = [name for name, value in fields.items() if value is not None and name.lower().startswith(MIXER_CONFIG_PREFIXES)]
     if not sizes:
         return ()
@@ -97,26 +101,27 @@ def _unrouted_layer_kinds(field: str, kinds: Any) -> tuple[UnroutedMixer, ...]:
 
 
 def find_unrouted_mixers(model: torch.nn.Module) -> tuple[UnroutedMixer, ...]:
-    """Every token mixer of `model` outside the attention interface: its config's and its decoder modules'.
+    """Every token mixer of `model` outside the attention interface: its config's and its decoder modules',
+    less those `prepare_model` routed. A flagged or routed module's own submodules are not searched."""
+    routed = getattr(model, PREPARED_KINDS, frozenset())
+    return unrouted_config_mixers(getattr(model, "config", None), routed) + tuple(_module_mixers(_decoder(model)))
 
-    A flagged module's own submodules are not listed again.
-    """
-    return unrouted_config_mixers(getattr(model, "config", None)) + tuple(_module_mixers(_decoder(model)))
 
-
-def refuse_unrouted_mixers(model_or_config: Any, where: str) -> None:
+def refuse_unrouted_mixers(model_or_config: Any, where: str, routed: frozenset[str] = frozenset()) -> None:
     """`ValueError` naming the model's unrouted token mixers, if it has any.
 
     Args:
         model_or_config: an ``nn.Module`` (config and modules are read) or a config.
         where: when the check runs, for the message ("inside a CP step", ...).
+        routed: with a config, the layer kinds the running model routes (`CallNotes.routed_mixers`).
     """
     if isinstance(model_or_config, torch.nn.Module):
         found = find_unrouted_mixers(model_or_config)
     else:
-        found = unrouted_config_mixers(model_or_config)
+        found = unrouted_config_mixers(model_or_config, routed)
     if not found:
         return
+    routable = "LFM2's short convolutions (a world-1 step, make_cp_blockdiag_batch_and_ctx(None, None, batch), for one process)"
     listed = "; ".join(m.describe() for m in found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
     raise ValueError(
         f"blockdiag-cp: {where}, this model mixes tokens outside the attention interface: {listed}. Such layers "
@@ -124,8 +129,9 @@ def refuse_unrouted_mixers(model_or_config: Any, where: str) -> None:
         "would carry their state and convolution window across document boundaries of a packed row, and under CP "
         "would start from an empty state on every rank: a silently wrong result, so it is refused. Supported: "
         "models whose every token mixer is softmax attention reached through attn_implementation (full or "
-        "sliding-window, with softcapping or sinks: Llama, Qwen2/3, Mistral, Gemma 2/3, gpt-oss and their VLMs). "
-        "Train this model on unpacked rows without CP."
+        "sliding-window, with softcapping or sinks: Llama, Qwen2/3, Mistral, Gemma 2/3, gpt-oss and their VLMs), "
+        f"and, inside a CP step after blockdiag_cp.mixers.prepare_model(model), {routable}. Otherwise train this "
+        "model on unpacked rows without CP."
     )
 
 
@@ -146,6 +152,9 @@ def _module_mixers(root: torch.nn.Module) -> Iterator[UnroutedMixer]:
     flagged: list[str] = []
     for name, module in root.named_modules():
         if any(name.startswith(f"{parent}.") for parent in flagged):
+            continue
+        if getattr(module, ROUTED_KIND, None) is not None:
+            flagged.append(name)  # routed (routing.py): it and its submodules keep documents apart
             continue
         why = _mixer_sign(module)
         if why is not None:

@@ -29,6 +29,7 @@ class CallNotes:
         self._fallbacks: dict[str, str] = {}
         self._kinds: dict[int, tuple[str, str]] = {}
         self._vision = VisionWork()
+        self._routed_mixers: frozenset[str] = frozenset()
 
     def record_fallback(self, kernel: str, reason: str) -> None:
         self._fallbacks.setdefault(reason, kernel)
@@ -38,6 +39,14 @@ class CallNotes:
 
     def record_vision(self, patches: list[int], flops: list[float]) -> None:
         self._vision = VisionWork(tuple(int(p) for p in patches), tuple(float(f) for f in flops))
+
+    def record_routed_mixers(self, kinds: frozenset[str]) -> None:
+        self._routed_mixers = self._routed_mixers | kinds
+
+    @property
+    def routed_mixers(self) -> frozenset[str]:
+        """Layer kinds (``"conv"``, ...) whose mixers the running model routes per document (`mixers.prepare_model`)."""
+        return self._routed_mixers
 
     @property
     def vision(self) -> VisionWork:
