@@ -9,6 +9,7 @@ a state the active one is in slot.py.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from ..parallel.heads import HeadGroups, HeadParallel, split_kv_heads, ulysses_e
 from ..plan import ShardPlan, attention_work, make_plan
 from ..plan.geometry import StepGeometry
 from ..mixers.conv import ConvPlan
+from ..mixers.recurrence import PieceSchedule
 from .notes import CallNotes
 
 logger = logging.getLogger(__name__)
@@ -85,6 +87,11 @@ class StepState:
                 self.call_notes.record_kind(window, exchange.name, reason)
                 self._kinds[window] = exchange
             return self._kinds[window]
+
+    @functools.cached_property
+    def piece_schedule(self) -> PieceSchedule:
+        """Where each document's recurrent state comes from, for this rank's pieces (built on first use)."""
+        return PieceSchedule.build(self.geometry, self.rank, self.group)
 
     def conv_plan(self, width: int) -> ConvPlan:
         """The per-document causal convolution of `width` for this step (built on first use, then kept)."""

@@ -48,3 +48,23 @@ def doc_ids_from_lengths(segments: Sequence[int]) -> torch.Tensor:
         else:
             ids += [0] * (-n)
     return torch.tensor(ids, dtype=torch.long)
+
+
+def gated_delta_rule_oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                            initial_state: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule token by token, in the inputs' dtype (shapes as `mixers.recurrence.chunked_gated_delta_rule`):
+    keys and queries L2-normalised (eps 1e-6), queries scaled by ``dk ** -0.5``; per token
+    ``S <- exp(g) S``, ``S <- S + k (beta (v - S^T k))^T``, ``o = S^T q``."""
+    B, T, Hk, dk = q.shape
+    Hv = v.shape[2]
+    q, k = (x.repeat_interleave(Hv // Hk, dim=2) for x in (q, k))
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * dk ** -0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    state = v.new_zeros((B, Hv, dk, v.shape[3])) if initial_state is None else initial_state.clone()
+    out = []
+    for t in range(T):
+        state = state * g[:, t].exp()[..., None, None]
+        remembered = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
+        state = state + torch.einsum("bhk,bhv->bhkv", k[:, t], (v[:, t] - remembered) * beta[:, t, :, None])
+        out.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+    return torch.stack(out, dim=1), state
