@@ -1,68 +1,115 @@
-"""The gated delta rule per document across CP ranks (mixers/recurrence.py) against a token-by-token recurrence.
+"""Linear recurrences per document across CP ranks (mixers/recurrence.py) against token-by-token loops:
+the gated delta rule and Mamba2's state-space scan.
 
 The oracle runs each document alone, token by token, in float64
-(`blockdiag_cp.testing.gated_delta_rule_oracle`); the library runs pieces chunked, passes each
-straddling document's state across ranks in one all-gather and reruns continuing pieces.
-Float64, forward and input gradients, both layouts, worlds 1 to 3, documents spanning
-every rank, 1-token documents and padding-only ranks.
+(`blockdiag_cp.testing.gated_delta_rule_oracle`, `ssd_oracle`); the library runs pieces chunked,
+passes each straddling document's state across ranks in one all-gather and reruns (delta rule)
+or corrects (scan) continuing pieces. Float64, forward and input gradients, both layouts, worlds
+1 to 3, documents spanning every rank, 1-token documents and padding-only ranks; the chunked
+kernels against the loops from random states with random chunk sizes.
 """
 
 import pytest
 import torch
 
 from blockdiag_cp import make_cp_blockdiag_batch_and_ctx
-from blockdiag_cp.mixers.recurrence import chunked_gated_delta_rule
-from blockdiag_cp.testing import doc_ids_from_lengths, gated_delta_rule_oracle
+from blockdiag_cp.mixers.chunked import chunked_gated_delta_rule, chunked_ssd
+from blockdiag_cp.testing import doc_ids_from_lengths, gated_delta_rule_oracle, ssd_oracle
 
 ROWS = {
     "mixed documents": (5, 1, 23, 2, 40, 9),
     "one document over every rank": (75,),
     "padding-only rank": (7, -50, 6),
 }
-HK, HV, DK, DV = 2, 4, 4, 3
+HK, HV, DK, DV = 2, 4, 4, 3  # delta rule: key heads, value heads, key and value sizes
+G, H, P, N = 2, 4, 3, 5  # scan: groups, heads, head size, state size
+A_SSD = -torch.tensor([0.5, 1.0, 2.0, 0.25], dtype=torch.float64)
 
 
-def inputs(segments):
-    g = torch.Generator().manual_seed(0)
-    S = sum(abs(n) for n in segments)
-    q, k = (torch.randn(S, HK, DK, generator=g, dtype=torch.float64) for _ in range(2))
-    v = torch.randn(S, HV, DV, generator=g, dtype=torch.float64)
-    decay = -torch.rand(S, HV, generator=g, dtype=torch.float64)  # log decays <= 0
-    beta = torch.rand(S, HV, generator=g, dtype=torch.float64)
-    return q, k, v, decay, beta
+class DeltaRule:
+    """The gated delta rule: inputs q, k, v, g, beta."""
+
+    sizes = (HK * DK, HK * DK, HV * DV, HV, HV)
+    shapes = ((HK, DK), (HK, DK), (HV, DV), (HV,), (HV,))
+
+    @staticmethod
+    def inputs(S, g):
+        q, k = (torch.randn(S, HK, DK, generator=g, dtype=torch.float64) for _ in range(2))
+        v = torch.randn(S, HV, DV, generator=g, dtype=torch.float64)
+        decay = -torch.rand(S, HV, generator=g, dtype=torch.float64)  # log decays <= 0
+        beta = torch.rand(S, HV, generator=g, dtype=torch.float64)
+        return q, k, v, decay, beta
+
+    @staticmethod
+    def oracle(rows):
+        return gated_delta_rule_oracle(*(t[None] for t in rows))[0][0]
+
+    @staticmethod
+    def across_ranks(state, rows):
+        return state.piece_schedule.gated_delta_rule(*rows)
 
 
-def oracle(segments, q, k, v, decay, beta):
+class Scan:
+    """Mamba2's scan: inputs x, dt, B, C (A fixed)."""
+
+    sizes = (H * P, H, G * N, G * N)
+    shapes = ((H, P), (H,), (G, N), (G, N))
+
+    @staticmethod
+    def inputs(S, g):
+        x = torch.randn(S, H, P, generator=g, dtype=torch.float64)
+        dt = torch.rand(S, H, generator=g, dtype=torch.float64) + 0.05
+        B, C = (torch.randn(S, G, N, generator=g, dtype=torch.float64) for _ in range(2))
+        return x, dt, B, C
+
+    @staticmethod
+    def oracle(rows):
+        x, dt, B, C = (t[None] for t in rows)
+        return ssd_oracle(x, dt, A_SSD, B, C)[0][0]
+
+    @staticmethod
+    def across_ranks(state, rows):
+        x, dt, B, C = rows
+        return state.piece_schedule.ssd(x, dt, A_SSD, B, C)
+
+
+RULES = {"delta rule": DeltaRule, "scan": Scan}
+
+
+def inputs(rule, segments):
+    return rule.inputs(sum(abs(n) for n in segments), torch.Generator().manual_seed(0))
+
+
+def oracle(rule, segments, tensors):
     """Each document alone, token by token; padding rows 0."""
-    out, start = torch.zeros_like(v), 0
+    out, start = None, 0
     for n in segments:
         if n > 0:
             part = slice(start, start + n)
-            o, _ = gated_delta_rule_oracle(q[part][None], k[part][None], v[part][None], decay[part][None],
-                                           beta[part][None])
-            out[part] = o[0]
+            o = rule.oracle([t[part] for t in tensors])
+            out = torch.zeros((sum(abs(m) for m in segments), *o.shape[1:]), dtype=o.dtype) if out is None else out
+            out[part] = o
         start += abs(n)
     return out
 
 
-def recurrence_worker(rank, world, segments, layout):
+def recurrence_worker(rank, world, rule_name, segments, layout):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from blockdiag_cp import CPConfig
 
-    full = [t.clone().requires_grad_(True) for t in inputs(segments)]
+    rule = RULES[rule_name]
+    full = [t.clone().requires_grad_(True) for t in inputs(rule, segments)]
     S = full[0].shape[0]
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"] if world > 1 else None
     flat = torch.cat([t.reshape(S, -1) for t in full], dim=1)
     batch = {"inputs_embeds": flat.unsqueeze(0), "_packed_seq_ids": doc_ids_from_lengths(segments).unsqueeze(0)}
     ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh, None, batch, config=CPConfig(layout=layout))
     local = batch["inputs_embeds"][0]
-    sizes = [HK * DK, HK * DK, HV * DV, HV, HV]
-    q, k, v, decay, beta = torch.split(local, sizes, dim=1)
-    q, k, v = q.reshape(-1, HK, DK), k.reshape(-1, HK, DK), v.reshape(-1, HV, DV)
+    rows = [t.reshape(-1, *shape) for t, shape in zip(torch.split(local, rule.sizes, dim=1), rule.shapes)]
     with ctx() as state:
-        out = state.piece_schedule.gated_delta_rule(q, k, v, decay, beta)
+        out = rule.across_ranks(state, rows)
         (out * out.detach().sign()).sum().backward()
     grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in full]
     if world > 1:
@@ -71,15 +118,17 @@ def recurrence_worker(rank, world, segments, layout):
     return state.positions.tolist(), out.detach(), grads
 
 
+@pytest.mark.parametrize("rule_name", list(RULES))
 @pytest.mark.parametrize("layout", ["contiguous", "balanced"])
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_each_document_recurs_alone_across_ranks(world, layout, rank_pools):
+def test_each_document_recurs_alone_across_ranks(world, layout, rule_name, rank_pools):
+    rule = RULES[rule_name]
     for name, segments in ROWS.items():
-        full = [t.clone().requires_grad_(True) for t in inputs(segments)]
-        want = oracle(segments, *full)
+        full = [t.clone().requires_grad_(True) for t in inputs(rule, segments)]
+        want = oracle(rule, segments, full)
         (want * want.detach().sign()).sum().backward()
-        results = [recurrence_worker(0, 1, segments, layout)] if world == 1 else \
-            rank_pools(world).run(recurrence_worker, segments, layout)
+        results = [recurrence_worker(0, 1, rule_name, segments, layout)] if world == 1 else \
+            rank_pools(world).run(recurrence_worker, rule_name, segments, layout)
         S = full[0].shape[0]
         for positions, out, _ in results:
             real = [i for i, p in enumerate(positions) if p < S]
@@ -100,3 +149,16 @@ def test_the_chunked_rule_is_the_token_loop_from_any_state(length, chunk):
     want = gated_delta_rule_oracle(q, k, v, decay, beta, initial_state=start)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("length, chunk", [(70, 64), (5, 4), (33, 8), (1, 64), (130, 16)])
+def test_the_chunked_scan_is_the_token_loop_from_any_state(length, chunk):
+    g = torch.Generator().manual_seed(length)
+    x = torch.randn(2, length, H, P, generator=g, dtype=torch.float64)
+    dt = torch.rand(2, length, H, generator=g, dtype=torch.float64)
+    B, C = (torch.randn(2, length, G, N, generator=g, dtype=torch.float64) for _ in range(2))
+    start = torch.randn(2, H, P, N, generator=g, dtype=torch.float64)
+    got = chunked_ssd(x, dt, A_SSD, B, C, initial_state=start, chunk=chunk)
+    want = ssd_oracle(x, dt, A_SSD, B, C, initial_state=start)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)

@@ -1,13 +1,15 @@
-"""Hybrid models routed per document (`blockdiag_cp.mixers.prepare_model`): LFM2's short convolutions,
-Qwen3-Next's and Qwen3.5's Gated DeltaNet.
+"""Hybrid models routed per document (`blockdiag_cp.hf.prepare_model`): LFM2's short convolutions,
+the Gated DeltaNet of Qwen3-Next and Qwen3.5, the Mamba2 mixers of Nemotron-H, Falcon-H1, Bamba
+and Granite-4 hybrid.
 
-A packed row through the prepared model inside a CP step equals each document run alone
-(logits, loss, every parameter's gradient, float64), in one process and on real gloo ranks
-at cp 2 (contiguous) and 3 (balanced, with activation checkpointing); documents shorter than
-the convolution and 1-token documents included. Two references: each document alone
-through transformers' own layers (its gated delta rule runs in float32 inside, so those
-families agree to its rounding), and each document alone through the prepared model in a
-step of its own (float64-exact: packing and CP change nothing). Unsupported mixers stay refused.
+A packed row through the prepared model equals each document run alone (logits, loss, every
+parameter's gradient, float64): outside a step (one process, documents marked by
+``position_ids``), in a world-1 step, and on real gloo ranks at cp 2 (contiguous) and 3
+(balanced, with activation checkpointing); documents shorter than the convolution and 1-token
+documents included. Two references: each document alone through transformers' own layers
+(their recurrences run in float32 inside, so those families agree to its rounding), and each
+document alone through the prepared model in a step of its own (float64-exact up to the
+``A_log.float()`` decay transformers computes: packing and CP change nothing).
 """
 
 import copy
@@ -20,40 +22,51 @@ transformers = pytest.importorskip("transformers")
 
 import blockdiag_cp.hf  # noqa: E402,F401  (registers "blockdiag_cp")
 from blockdiag_cp import make_cp_blockdiag_batch_and_ctx  # noqa: E402
-from blockdiag_cp.mixers import prepare_model  # noqa: E402
+from blockdiag_cp.hf import prepare_model  # noqa: E402
 
 LENGTHS = (2, 9, 1, 14, 3, 6)
 VOCAB = 64
-
 
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)
 DELTA = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
              head_dim=8, linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention", "linear_attention"])
+#: Mamba2 sizes: 4 heads of 16 (= 2 x hidden), 2 groups of state 8, conv 4, chunks of 8 tokens
+MAMBA = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=8)
 #: family -> (config class, model class, config overrides, tolerance against transformers' own layers,
-#: tolerance against each document through the library). The delta-rule families compute their decay
+#: tolerance against each document through the library). The recurrent families compute their decay
 #: from ``A_log.float()`` (as transformers does), so A_log's gradient carries float32 rounding.
 FAMILIES = {
-    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(layer_types=["conv", "full_attention", "conv"], conv_L_cache=3),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(SMALL, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3),
              1e-10, 1e-10),
-    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(DELTA, num_experts=0, mlp_only_layers=[0, 1, 2]),
-                   1e-5, 1e-8),
-    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", DELTA, 1e-5, 1e-8),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(SMALL, **DELTA, num_experts=0, mlp_only_layers=[0, 1, 2]), 1e-5, 1e-8),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(SMALL, **DELTA), 1e-5, 1e-8),
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM",
+                   dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, mamba_num_heads=4,
+                        mamba_head_dim=16, ssm_state_size=8, n_groups=2, conv_kernel=4, chunk_size=8,
+                        layers_block_type=["linear_attention", "full_attention", "mlp"]), 1e-5, 1e-8),
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", dict(SMALL, head_dim=8, mamba_d_ssm=64, **MAMBA), 1e-5, 1e-8),
+    "bamba": ("BambaConfig", "BambaForCausalLM", dict(SMALL, attn_layer_indices=[1], **MAMBA), 1e-5, 1e-8),
+    "granite_hybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+                       dict(SMALL, num_local_experts=0, shared_intermediate_size=64,
+                            layer_types=["mamba", "attention", "mamba"], **MAMBA), 1e-5, 1e-8),
 }
+#: families whose decoder layers are handed position_ids (Granite-4 hybrid's get cu_seq_lens_q only)
+GIVEN_POSITIONS = sorted(set(FAMILIES) - {"granite_hybrid"})
+#: the families the fast loop runs across ranks (the others: -m slow)
+FAST_ACROSS_RANKS = {"lfm2", "qwen3_5", "nemotron_h"}
 
 
 def build(family="lfm2", attn="blockdiag_cp"):
     config_name, model_name, extra, *_ = FAMILIES[family]
     torch.manual_seed(0)
-    config = getattr(transformers, config_name)(**SMALL, **extra)
+    config = getattr(transformers, config_name)(**extra)
     config._attn_implementation = attn
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return getattr(transformers, model_name)(config).double()
-
-
-def lfm2(attn="blockdiag_cp"):
-    return build("lfm2", attn)
 
 
 def packed_row():
@@ -63,6 +76,21 @@ def packed_row():
     return ids, positions
 
 
+def cu_seq_lens():
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(LENGTHS), "max_length_k": max(LENGTHS)}
+
+
+def loss_of(logits_1SV, ids):
+    """Token-mean next-token loss of the packed row, every document's last token unlabelled."""
+    labels, start = ids[0].clone(), 0
+    for n in LENGTHS:
+        labels[start : start + n - 1] = ids[0, start + 1 : start + n]
+        labels[start + n - 1] = -100
+        start += n
+    return torch.nn.functional.cross_entropy(logits_1SV[0], labels, ignore_index=-100)
+
+
 def each_document_alone(family="lfm2", through_the_library=False):
     """Logits, token-mean loss and gradients of every document run on its own: through transformers'
     own layers, or through the prepared model in a one-document step of its own."""
@@ -70,7 +98,7 @@ def each_document_alone(family="lfm2", through_the_library=False):
     if through_the_library:
         prepare_model(model)
     ids, _ = packed_row()
-    logits, loss_sum, start = [], 0.0, 0
+    logits, start = [], 0
     for n in LENGTHS:
         doc = ids[:, start : start + n]
         if through_the_library:
@@ -79,15 +107,30 @@ def each_document_alone(family="lfm2", through_the_library=False):
                 out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
         else:
             out = model(input_ids=doc, use_cache=False).logits
-        logits.append(out.detach())
-        loss_sum = loss_sum + torch.nn.functional.cross_entropy(out[0, :-1], ids[0, start + 1 : start + n], reduction="sum")
+        logits.append(out)
         start += n
-    loss = loss_sum / sum(n - 1 for n in LENGTHS)
+    logits = torch.cat(logits, 1)
+    loss = loss_of(logits, ids)
     loss.backward()
-    return torch.cat(logits, 1), float(loss.detach()), [p.grad.clone() for p in model.parameters()]
+    return logits.detach(), float(loss.detach()), [p.grad.clone() for p in model.parameters()]
 
 
-def step_worker(rank, world, layout, checkpointing, family="lfm2"):
+def outside_a_step(family, marks="position_ids", checkpointing=False):
+    """The packed row through the prepared model with no step: documents marked by `marks`."""
+    model = build(family)
+    prepare_model(model)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    ids, positions = packed_row()
+    extra = cu_seq_lens() if marks == "cu_seq_lens_q" else {}
+    logits = model(input_ids=ids, position_ids=positions, use_cache=False, **extra).logits
+    loss = loss_of(logits, ids)
+    loss.backward()
+    return logits.detach(), float(loss.detach()), [p.grad.clone() for p in model.parameters()]
+
+
+def step_worker(rank, world, layout, checkpointing, family="lfm2", exchange="auto"):
     """This model's logits (gathered), loss and summed gradients for the packed row under CP."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -103,7 +146,7 @@ def step_worker(rank, world, layout, checkpointing, family="lfm2"):
         model.train()
     ids, positions = packed_row()
     batch = add_shift_labels({"input_ids": ids, "position_ids": positions, "labels": ids.clone()})
-    ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh, None, batch, config=CPConfig(layout=layout))
+    ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh, None, batch, config=CPConfig(layout=layout, kv_exchange=exchange))
     count = sum(n - 1 for n in LENGTHS)
     with ctx():
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
@@ -123,18 +166,45 @@ def assert_matches(result, reference, tolerance=1e-10):
     (logits, loss, grads), (ref_logits, ref_loss, ref_grads) = result, reference
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=tolerance)
     assert abs(loss - ref_loss) < max(tolerance, 1e-12)
+    assert len(grads) == len(ref_grads)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=0, atol=tolerance)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_a_prepared_hybrid_in_one_process_equals_each_document_alone(family):
-    result = step_worker(0, 1, "contiguous", False, family)
+def assert_both_references(result, family):
     assert_matches(result, each_document_alone(family), FAMILIES[family][3])
     assert_matches(result, each_document_alone(family, through_the_library=True), FAMILIES[family][4])
 
 
+def across_ranks(family):
+    return family if family in FAST_ACROSS_RANKS else pytest.param(family, marks=pytest.mark.slow)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_prepared_hybrid_in_a_one_process_step_equals_each_document_alone(family):
+    assert_both_references(step_worker(0, 1, "contiguous", False, family), family)
+
+
+@pytest.mark.parametrize("family", GIVEN_POSITIONS)
+def test_a_prepared_hybrid_on_a_packed_row_outside_a_step_equals_each_document_alone(family):
+    assert_both_references(outside_a_step(family), family)
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5", "granite_hybrid"])
+def test_outside_a_step_documents_marked_by_cu_seq_lens_with_checkpointing(family):
+    assert_both_references(outside_a_step(family, "cu_seq_lens_q", checkpointing=True), family)
+
+
+def test_a_model_whose_layers_get_no_position_ids_refuses_a_packed_row_marked_only_by_them():
+    model = build("granite_hybrid")
+    prepare_model(model)
+    ids, positions = packed_row()
+    with pytest.raises(ValueError, match="not handed position_ids.*cu_seq_lens_q"):
+        model(input_ids=ids, position_ids=positions, use_cache=False)
+    model(input_ids=ids[:, :14], position_ids=torch.arange(14)[None], use_cache=False)  # one document: fine
+
+
+@pytest.mark.parametrize("family", [across_ranks(f) for f in sorted(FAMILIES)])
 @pytest.mark.parametrize("world, layout, checkpointing", [(2, "contiguous", False), (3, "balanced", True)])
 def test_a_prepared_hybrid_under_cp_equals_each_document_alone(family, world, layout, checkpointing, rank_pools):
     own, alone = each_document_alone(family), each_document_alone(family, through_the_library=True)
@@ -143,38 +213,55 @@ def test_a_prepared_hybrid_under_cp_equals_each_document_alone(family, world, la
         assert_matches(result, alone, FAMILIES[family][4])
 
 
-def test_preparing_changes_nothing_outside_a_step_and_refuses_packed_rows_there():
-    model, plain = lfm2(), lfm2()
-    prepare_model(model)
-    assert prepare_model(model) == {"conv"}  # idempotent
-    ids, positions = packed_row()
+@pytest.mark.parametrize("exchange", ["allgather", "halo", "a2a", "ring"])
+def test_every_cpu_exchange_carries_a_hybrids_attention_layers(exchange, rank_pools):
+    alone = each_document_alone("nemotron_h", through_the_library=True)
+    for result in rank_pools(2).run(step_worker, "balanced", False, "nemotron_h", exchange):
+        assert_matches(result, alone, FAMILIES["nemotron_h"][4])
+
+
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_5", "nemotron_h"])
+def test_preparing_changes_nothing_for_one_document_batches_and_generation(family):
+    model, plain = build(family), build(family, "sdpa")
+    kinds = prepare_model(model)
+    assert prepare_model(model) == kinds  # idempotent
+    ids, _ = packed_row()
+    ids = ids.clamp(min=1)  # no pad token (id 0): generate() would mask it
     one_document = ids[:, :14]
     torch.testing.assert_close(model(input_ids=one_document, use_cache=False).logits,
                                plain(input_ids=one_document, use_cache=False).logits, rtol=0, atol=0)
-    with pytest.raises(ValueError, match="prepare_model"):
-        model(input_ids=ids, position_ids=positions, use_cache=False)  # outside a step: not per document
+    two_rows = torch.cat([ids[:, :10], ids[:, 10:20]])
+    torch.testing.assert_close(model(input_ids=two_rows, use_cache=False).logits,
+                               plain(input_ids=two_rows, use_cache=False).logits, rtol=0, atol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mine = model.generate(one_document, max_new_tokens=5, do_sample=False)
+        theirs = plain.generate(one_document, max_new_tokens=5, do_sample=False)
+    assert torch.equal(mine, theirs)
 
 
-def test_an_unprepared_hybrid_is_still_refused_inside_a_step_and_a_copy_keeps_its_own_weights():
+def test_an_unprepared_hybrid_is_still_refused_and_a_copy_keeps_its_own_weights():
     ids, positions = packed_row()
     ctx, batch = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": ids, "position_ids": positions})
     with ctx(), pytest.raises(ValueError, match="Lfm2|conv"):
-        lfm2()(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
-    model = lfm2()
+        build("lfm2")(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+    with pytest.raises(ValueError, match="prepare_model"):
+        build("nemotron_h")(input_ids=ids, position_ids=positions, use_cache=False)  # outside a step
+    model = build("nemotron_h")
     prepare_model(model)
     twin = copy.deepcopy(model)
     with torch.no_grad():
-        twin.model.layers[0].conv.conv.weight.mul_(2.0)
-    with ctx():
-        mine = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-        theirs = twin(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        twin.model.layers[0].mixer.conv1d.weight.mul_(2.0)
+    mine = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    theirs = twin(input_ids=ids, position_ids=positions, use_cache=False).logits
     assert not torch.allclose(mine, theirs)  # the copy's routed forward reads the copy's weights
+    assert_matches(outside_a_step("nemotron_h")[:1] + (0.0, []), (mine.detach(), 0.0, []), 1e-12)
 
 
-def test_the_trainer_mixin_prepares_a_supported_hybrid_and_still_refuses_others(tmp_path):
+def test_the_trainer_mixin_prepares_a_supported_hybrid(tmp_path):
     pytest.importorskip("accelerate")
     from blockdiag_cp.trainer import BlockDiagCPTrainer
 
     args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
-    trainer = BlockDiagCPTrainer(model=lfm2(), args=args, cp_size=1)
-    assert getattr(trainer.model, "blockdiag_cp_routed_kinds") == {"conv"}
+    trainer = BlockDiagCPTrainer(model=build("nemotron_h"), args=args, cp_size=1)
+    assert "linear_attention" in getattr(trainer.model, "blockdiag_cp_routed_kinds")

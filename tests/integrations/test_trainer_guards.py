@@ -73,16 +73,16 @@ def test_a_rank_aware_sampler_is_refused_under_cp(trainer_example, tmp_path):
         BlockDiagCPTrainer(model=trainer_example.tiny_llama(), args=args, cp_size=2)
 
 
-def test_a_hybrid_model_is_refused_at_construction(trainer_example, tmp_path):
-    config = transformers.Qwen3NextConfig(
+def test_an_unsupported_hybrid_model_is_refused_at_construction(trainer_example, tmp_path):
+    """Jamba's Mamba (v1) mixer is not routed (supported hybrids are prepared: test_hybrid_models.py)."""
+    config = transformers.JambaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, head_dim=8, num_experts=0,
-        mlp_only_layers=[0, 1])
+        num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+        num_experts=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = transformers.Qwen3NextForCausalLM(config)
-    with pytest.raises(ValueError, match="Qwen3NextGatedDeltaNet"):
+        model = transformers.JambaForCausalLM(config)
+    with pytest.raises(ValueError, match="JambaMambaMixer"):
         BlockDiagCPTrainer(model=model, args=arguments(trainer_example, tmp_path), cp_size=1)
 
 

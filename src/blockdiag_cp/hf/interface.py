@@ -34,6 +34,7 @@ from ..attention import LayerFeatures, attend_in_step, autocast_inputs, cp_block
 from ..config import CPConfig
 from ..step.doc_ids import block_causal_mask, resolve_doc_ids
 from ..mixers import refuse_unrouted_mixers, unrouted_config_mixers
+from ..mixers.routing import PREPARED_KINDS
 from ..step.slot import STEP_SLOT, current_step
 from ..step.state import StepState, build_step_state
 
@@ -156,10 +157,11 @@ def _refuse_unrouted_on_packed_row(module: torch.nn.Module, local: StepState) ->
     """`ValueError` if the model has token mixers outside attention and the row holds several documents
     (their state would cross document boundaries; one document is what they compute right)."""
     config = getattr(module, "config", None)
-    if unrouted_config_mixers(config):
+    routed = getattr(module, PREPARED_KINDS, frozenset())  # set by mixers.prepare_model on every submodule
+    if unrouted_config_mixers(config, routed):
         ids = local.geometry.doc_ids
         if int((ids.unique() != 0).sum()) > 1:
-            refuse_unrouted_mixers(config, "on a packed row (several documents) outside a CP step")
+            refuse_unrouted_mixers(config, "on a packed row (several documents) outside a CP step", routed)
 
 
 def _refuse_beyond_sdpa(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:

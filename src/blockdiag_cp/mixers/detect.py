@@ -29,7 +29,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from .routing import PREPARED_KINDS, ROUTED_KIND
+from .routing import PREPARED_KINDS, ROUTED_KIND, STATE_SPACE
 
 #: layer kinds whose token mixing is attention that blockdiag-cp computes per document
 ROUTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
@@ -84,8 +84,11 @@ def unrouted_config_mixers(config: Any, routed: frozenset[str] = frozenset()) ->
     sizes = [name for name, value in fields.items() if value is not None and name.lower().startswith(MIXER_CONFIG_PREFIXES)]
     if not sizes:
         return ()
+    if STATE_SPACE in routed:
+        return ()
     shown = ", ".join(sizes[:3]) + (", ..." if len(sizes) > 3 else "")
-    return (UnroutedMixer(f"config.{shown}", type(config).__name__, "sizes of a state-space scan or a sequence convolution"),)
+    why = f"{type(config).__name__} sizes a state-space scan or a sequence convolution"
+    return (UnroutedMixer(f"config.{shown}", STATE_SPACE, why),)
 
 
 def _unrouted_layer_kinds(field: str, kinds: Any) -> tuple[UnroutedMixer, ...]:
@@ -121,7 +124,8 @@ def refuse_unrouted_mixers(model_or_config: Any, where: str, routed: frozenset[s
         found = unrouted_config_mixers(model_or_config, routed)
     if not found:
         return
-    routable = "LFM2's short convolutions (a world-1 step, make_cp_blockdiag_batch_and_ctx(None, None, batch), for one process)"
+    routable = ("LFM2's short convolutions, the Gated DeltaNet of Qwen3-Next and Qwen3.5, and the Mamba2 mixers "
+                "of Nemotron-H, Bamba, Granite-4 hybrid and Falcon-H1")
     listed = "; ".join(m.describe() for m in found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
     raise ValueError(
         f"blockdiag-cp: {where}, this model mixes tokens outside the attention interface: {listed}. Such layers "
@@ -130,7 +134,7 @@ def refuse_unrouted_mixers(model_or_config: Any, where: str, routed: frozenset[s
         "would start from an empty state on every rank: a silently wrong result, so it is refused. Supported: "
         "models whose every token mixer is softmax attention reached through attn_implementation (full or "
         "sliding-window, with softcapping or sinks: Llama, Qwen2/3, Mistral, Gemma 2/3, gpt-oss and their VLMs), "
-        f"and, inside a CP step after blockdiag_cp.mixers.prepare_model(model), {routable}. Otherwise train this "
+        f"and, after blockdiag_cp.hf.prepare_model(model) (the Trainer mixin calls it), {routable}. Otherwise train this "
         "model on unpacked rows without CP."
     )
 

@@ -1,4 +1,5 @@
-"""Linear recurrences per document across CP ranks: the gated delta rule (Qwen3-Next, Qwen3.5).
+"""Linear recurrences per document across CP ranks: the gated delta rule (Qwen3-Next, Qwen3.5)
+and Mamba2's state-space scan.
 
 Note [Passing a recurrent state across ranks, in parallel]
 ----------------------------------------------------------
@@ -23,23 +24,13 @@ No rank waits for another's recurrence (a prefix over pieces, not a pipeline ove
 backward is autograd's, the all-gather's backward a reduce-scatter on every rank. Pieces
 run batched, right-padded with ``g = 0`` and ``beta = 0`` (padding leaves the state as it
 is), in buckets of lengths within a factor of two (padding at most doubles the work),
-through `chunked_gated_delta_rule` (Note [The chunked gated delta rule]).
+through the chunked kernels of chunked.py.
 
-Note [The chunked gated delta rule]
------------------------------------
-Token by token (Qwen3-Next's convention, keys and queries L2-normalised, queries scaled by
-``dk ** -0.5``): ``S <- exp(g) S``; ``S <- S + k (beta (v - S^T k))^T``; ``o = S^T q``.
-Within a chunk of ``C`` tokens with cumulative log-decay ``c``, the updates form a
-unit-lower-triangular system (the UT transform): with ``A = strict_lower((beta k) k^T *
-exp(c_i - c_j))``, ``u = (I + A)^-1 (beta v)`` and ``w = (I + A)^-1 (beta k exp(c))``; then
-per chunk, from the incoming state ``S``:
-
-    v_new = u - w S
-    o     = (q exp(c)) S + lower((q k^T) * exp(c_i - c_j)) v_new
-    S    <- exp(c_last) S + (k exp(c_last - c))^T v_new
-
-which equals the token loop exactly in exact arithmetic (the tests compare it with the
-token loop in float64). It computes in the input dtype (float32 for half precision).
+Mamba2's scan (Nemotron-H, Falcon-H1, Bamba, Granite-4) is the same with a scalar
+transition: a head's state decays by ``exp(sum dt A)`` over a run, so ``(P, B)`` is one
+number and ``[P, N]`` per head, and a continuing piece is not rerun: its zero-start
+output is corrected by ``exp(c_t) (C_t S)``, ``c`` the cumulative log-decay from the
+piece's start (`PieceSchedule.ssd`).
 """
 
 from __future__ import annotations
@@ -49,9 +40,9 @@ from typing import Any, Optional
 
 import torch
 
-from ..kernels.base import accumulate_dtype
 from ..parallel.collectives import AllGatherRows
 from ..plan.geometry import StepGeometry
+from .chunked import chunked_gated_delta_rule, chunked_ssd
 
 
 @dataclass(frozen=True)
@@ -118,7 +109,7 @@ class PieceSchedule:
         """``o [L, Hv, dv]`` of the gated delta rule per document (q, k ``[L, Hk, dk]``, v ``[L, Hv, dv]``,
         g, beta ``[L, Hv]``); padding rows 0. Differentiable; runs the step's all-gather when a
         document crosses pieces (forward and backward)."""
-        run = _PieceRunner(q_LHD, k_LHD, v_LHD, g_LH, beta_LH, chunked_gated_delta_rule)
+        run = _PieceRunner((q_LHD, k_LHD, v_LHD, g_LH, beta_LH), chunked_gated_delta_rule)
         out = v_LHD.new_zeros(v_LHD.shape)
         first = [p for p in self.pieces if p.starts_document]
         o_first, b_first = run(first)
@@ -134,7 +125,7 @@ class PieceSchedule:
             sent = sent.index_copy(0, _slots([first[i] for i in kept], sent), torch.cat([no_transition, B], -1))
         middle = [p for p in self.pieces if p.continues and not p.starts_document]
         if middle:
-            B, P = run(middle)[1], run(middle, transition=True)[1]
+            B, P = run(middle)[1], run(middle, rule=_delta_rule_transition)[1]
             sent = sent.index_copy(0, _slots(middle, sent), torch.cat([P, B], -1))
         # a rank with nothing to send still sends rows of its graph, so that every rank's backward
         # runs the all-gather's reduce-scatter (autograd skips a collective on an input without grad)
@@ -144,6 +135,39 @@ class PieceSchedule:
         o_later, _ = run(later, initial=[_incoming(p, gathered, self.pad) for p in later])
         _write(out, later, o_later)
         return out + 0.0 * gathered.sum()  # every rank's backward joins the all-gather's reduce-scatter
+
+
+    def ssd(self, x_LHP, dt_LH, A_H, B_LGN, C_LGN) -> torch.Tensor:
+        """``y [L, H, P]`` of Mamba2's scan per document (without the ``D x`` skip): x ``[L, H, P]``,
+        dt ``[L, H]`` (after softplus and clamping), A ``[H]``, B, C ``[L, G, N]``; padding rows 0.
+        Differentiable; runs the step's all-gather when a document crosses pieces."""
+        out = x_LHP.new_zeros(x_LHP.shape)
+        y, final = _PieceRunner((x_LHP, dt_LH, B_LGN, C_LGN), lambda *rows, initial_state: chunked_ssd(
+            rows[0], rows[1], A_H, rows[2], rows[3], initial_state=initial_state))(list(self.pieces))
+        _write(out, self.pieces, y)
+        if self.pad == 0:
+            return out if self.pieces else out + 0.0 * x_LHP.sum()
+        H, P, N = x_LHP.shape[1], x_LHP.shape[2], B_LGN.shape[2]
+        log_decay = dt_LH.to(final.dtype) * A_H.to(final.dtype)  # [L, H]
+        sent = final.new_zeros((self.pad, H, 1 + P * N))  # (log transition, B) by slot
+        kept = [i for i, p in enumerate(self.pieces) if p.continues]
+        if kept:
+            totals = torch.stack([log_decay[p.local_start : p.local_start + p.length].sum(0) for p in
+                                  (self.pieces[i] for i in kept)])
+            entries = torch.cat([totals.unsqueeze(-1), final[kept].reshape(len(kept), H, P * N)], -1)
+            sent = sent.index_copy(0, _slots([self.pieces[i] for i in kept], sent), entries)
+        sent = sent + 0.0 * x_LHP.reshape(-1)[:1].sum()  # every rank's backward joins the reduce-scatter
+        gathered = AllGatherRows.apply(sent, self.group)  # [W * pad, H, 1 + P N]
+        for p in self.pieces:
+            if p.starts_document:
+                continue
+            incoming = _incoming_scalar(p, gathered, self.pad).reshape(H, P, N)
+            rows = slice(p.local_start, p.local_start + p.length)
+            C = C_LGN[rows].repeat_interleave(H // C_LGN.shape[1], dim=1).to(final.dtype)  # [n, H, N]
+            fade = log_decay[rows].cumsum(0).exp()  # [n, H]
+            correction = fade.unsqueeze(-1) * torch.einsum("hpn,thn->thp", incoming, C)
+            out[rows] = out[rows] + correction.to(out.dtype)
+        return out + 0.0 * gathered.sum()
 
 
 def _slots(pieces, like: torch.Tensor) -> torch.Tensor:
@@ -161,50 +185,59 @@ def _incoming(piece: Piece, gathered: torch.Tensor, pad: int) -> torch.Tensor:
     return state
 
 
+def _incoming_scalar(piece: Piece, gathered: torch.Tensor, pad: int) -> torch.Tensor:
+    """``[H, P N]``: the scan state entering `piece` (each entry: log transition, then B)."""
+    state = None
+    for rank, slot in piece.before:
+        entry = gathered[rank * pad + slot]
+        B = entry[:, 1:]
+        state = B if state is None else entry[:, :1].exp() * state + B
+    return state
+
+
 def _write(out: torch.Tensor, pieces, values: Optional[list]) -> None:
     for piece, value in zip(pieces, values or []):
         out[piece.local_start : piece.local_start + piece.length] = value
 
 
 class _PieceRunner:
-    """Runs the chunked rule on pieces, batched in length buckets; ``__call__(pieces, initial=, transition=)``
-    returns ``(outputs per piece [n_i, Hv, dv] or None, final states [P, Hv, dk, dv or dk] or None)``."""
+    """Runs a chunked rule on pieces, batched in length buckets. `rows`: per-row inputs ``[L, ...]``
+    (right-padded with zeros, which every rule here treats as "leave the state as it is");
+    ``rule(*padded_rows, initial_state=)`` -> ``(outputs [n, T, ...], final states [n, ...])``.
+    ``__call__(pieces, initial=, rule=)`` returns ``(outputs per piece, final states stacked)``."""
 
-    def __init__(self, q, k, v, g, beta, chunk_rule) -> None:
-        self.q, self.k, self.v, self.g, self.beta, self.rule = q, k, v, g, beta, chunk_rule
+    def __init__(self, rows: tuple, rule) -> None:
+        self.rows, self.rule = rows, rule
 
-    def __call__(self, pieces, initial: Optional[list] = None, transition: bool = False):
+    def __call__(self, pieces, initial: Optional[list] = None, rule=None):
         if not pieces:
             return [], None
         outputs, finals = [None] * len(pieces), [None] * len(pieces)
         for bucket in _buckets([p.length for p in pieces]):
             chosen = [pieces[i] for i in bucket]
             init = None if initial is None else torch.stack([initial[i] for i in bucket])
-            o, s = self._run(chosen, init, transition)
+            o, s = (rule or self.rule)(*self._take(chosen), initial_state=init)
             for j, i in enumerate(bucket):
                 outputs[i], finals[i] = o[j, : pieces[i].length], s[j]
         return outputs, torch.stack(finals)
 
-    def _run(self, pieces, initial, transition):
-        T = max(p.length for p in pieces)
-        L = self.q.shape[0]
+    def _take(self, pieces) -> list[torch.Tensor]:
+        """Each input's rows of `pieces`, ``[n, T, ...]`` (zeros past a piece's end)."""
+        T, L = max(p.length for p in pieces), self.rows[0].shape[0]
         rows = torch.full((len(pieces), T), L, dtype=torch.long)
         for j, p in enumerate(pieces):
             rows[j, : p.length] = torch.arange(p.local_start, p.local_start + p.length)
-        rows = rows.to(self.q.device)
+        rows = rows.to(self.rows[0].device).flatten()
+        return [torch.cat([x, x.new_zeros((1, *x.shape[1:]))]).index_select(0, rows).reshape(len(pieces), T, *x.shape[1:])
+                for x in self.rows]
 
-        def take(x):
-            return torch.cat([x, x.new_zeros((1, *x.shape[1:]))]).index_select(0, rows.flatten()).reshape(*rows.shape, *x.shape[1:])
 
-        q, k, g, beta = take(self.q), take(self.k), take(self.g), take(self.beta)
-        if transition:  # v = 0 from the identity: the final state is the pieces' transition P
-            dk = k.shape[-1]
-            v = q.new_zeros((*q.shape[:2], g.shape[-1], dk))
-            eye = torch.eye(dk, dtype=q.dtype, device=q.device)
-            initial = eye.expand(len(pieces), g.shape[-1], dk, dk).clone()
-        else:
-            v = take(self.v)
-        return self.rule(q, k, v, g, beta, initial_state=initial)
+def _delta_rule_transition(q, k, v, g, beta, initial_state=None):
+    """The gated delta rule run with ``v = 0`` from the identity: its final state is the run's transition P."""
+    dk = k.shape[-1]
+    zero_v = q.new_zeros((*q.shape[:2], g.shape[-1], dk))
+    eye = torch.eye(dk, dtype=q.dtype, device=q.device).expand(q.shape[0], g.shape[-1], dk, dk).clone()
+    return chunked_gated_delta_rule(q, k, zero_v, g, beta, initial_state=eye)
 
 
 def _buckets(lengths: list[int]) -> list[list[int]]:
@@ -213,54 +246,3 @@ def _buckets(lengths: list[int]) -> list[list[int]]:
     for i, n in enumerate(lengths):
         groups.setdefault(max(n, 1).bit_length(), []).append(i)
     return [groups[key] for key in sorted(groups)]
-
-
-def chunked_gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    initial_state: Optional[torch.Tensor] = None, chunk: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule over ``[B, T]`` rows (Note [The chunked gated delta rule]).
-
-    Args:
-        q, k: ``[B, T, Hk, dk]`` (each K head serves ``Hv / Hk`` value heads); v: ``[B, T, Hv, dv]``.
-        g: ``[B, T, Hv]`` log-decays (<= 0); beta: ``[B, T, Hv]`` update strengths.
-        initial_state: ``[B, Hv, dk, dv]`` (None: zeros).
-
-    Returns:
-        ``(o [B, T, Hv, dv] in v's dtype, final state [B, Hv, dk, dv])``.
-    """
-    dtype = accumulate_dtype(v.dtype)
-    B, T, Hv, dv = v.shape
-    q, k = (x.repeat_interleave(Hv // x.shape[2], dim=2) if x.shape[2] != Hv else x for x in (q, k))
-    q, k, v, g, beta = (x.transpose(1, 2).to(dtype) for x in (q, k, v, g, beta))  # [B, H, T, ...]
-    q, k = _l2norm(q), _l2norm(k)
-    q = q * q.shape[-1] ** -0.5
-    pad = (-T) % chunk
-    q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    g, beta = (torch.nn.functional.pad(x, (0, pad)) for x in (g, beta))
-    n = (T + pad) // chunk
-    q, k, v = (x.reshape(B, Hv, n, chunk, -1) for x in (q, k, v))
-    c = g.reshape(B, Hv, n, chunk).cumsum(-1)
-    beta = beta.reshape(B, Hv, n, chunk, 1)
-    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    decay = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()  # exp(c_i - c_j), i >= j
-    system = ((beta * k) @ k.transpose(-1, -2) * decay).tril(-1)  # A, strictly lower
-    eye = torch.eye(chunk, dtype=dtype, device=q.device)
-    u = torch.linalg.solve_triangular(eye + system, beta * v, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(eye + system, beta * k * c.exp().unsqueeze(-1), upper=False, unitriangular=True)
-    state = q.new_zeros((B, Hv, k.shape[-1], dv)) if initial_state is None else initial_state.to(dtype)
-    outputs = []
-    for i in range(n):
-        qi, ki, ci = q[:, :, i], k[:, :, i], c[:, :, i]
-        v_new = u[:, :, i] - w[:, :, i] @ state
-        attn = (qi @ ki.transpose(-1, -2)) * decay[:, :, i]
-        outputs.append((qi * ci.exp().unsqueeze(-1)) @ state + attn @ v_new)
-        last = ci[..., -1:]
-        state = state * last.exp().unsqueeze(-1) + (ki * (last - ci).exp().unsqueeze(-1)).transpose(-1, -2) @ v_new
-    o = torch.stack(outputs, dim=2).reshape(B, Hv, n * chunk, dv)[:, :, :T]
-    return o.transpose(1, 2).to(v.dtype), state
-
-
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``x / sqrt(sum x^2 + eps)`` over the last dimension (flash-linear-attention's form)."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)

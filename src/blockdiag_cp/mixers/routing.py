@@ -3,65 +3,146 @@
 Note [Routed token mixers]
 --------------------------
 transformers' mixer layers call module-level functions that only the ``kernels`` package
-can replace, so `prepare_model` gives each supported mixer *instance* its own forward
-(an instance attribute; no class and no transformers global changes). Inside a CP step
-that forward computes the layer per document across ranks (`StepState.conv_plan`);
-outside a step it is the layer's own forward, unchanged (generation, unpacked batches).
-A forward pre-hook on the model tells the active step, before the mask function refuses
-unrouted mixer kinds, which kinds this model routes (`CallNotes.routed_mixers`). Supported: LFM2's short convolutions (``Lfm2ShortConv``,
-``Lfm2MoeShortConv``: layer kind ``"conv"``) and the Gated DeltaNet of Qwen3-Next and
-Qwen3.5 (layer kind ``"linear_attention"``: conv, then the gated delta rule per document,
-`recurrence.py`). Everything else stays refused (`detect.py`).
+can replace, and they never see ``position_ids``. So `prepare_model` installs, per
+*instance* (no class and no transformers global changes):
+
+- on each supported mixer, its own forward (an instance attribute). It computes the layer
+  per document (`per_document_state`):
+  inside a CP step across ranks, with the step's plans (`StepState.conv_plan`,
+  `StepState.piece_schedule`); outside a step on one packed row (several documents, or
+  padding, marked as the attention layers read them: ``position_ids`` that restart,
+  ``cu_seq_lens_q``, a ``[1, S]`` padding mask) with the same plans at world 1. Anything
+  else (several rows, one document, decoding from a cache) is the layer's own forward.
+- on each decoder layer holding one, a forward pre-hook that hands the layer's
+  ``position_ids`` and ``cu_seq_lens_q`` to its mixer for the call (`RowMarks`), and a
+  forward hook that takes them back. transformers' checkpointing re-enters the layer
+  through ``__call__``, so a recompute gets them again.
+- on the model, a forward pre-hook telling the active step which layer kinds are routed
+  (`CallNotes.routed_mixers`), and on every submodule the kinds (`PREPARED_KINDS`), which the
+  attention layers read before refusing a packed row.
+
+A packed row's forward does not fill a cache's convolution or recurrent states (continuing
+several documents from one cache has no meaning); a single document's forward is the
+layer's own and fills it as usual.
+
+Supported (`ROUTED_MIXERS`): LFM2's short convolutions; the Gated DeltaNet of Qwen3-Next
+and Qwen3.5 (conv, then the gated delta rule); the Mamba2 mixers of Nemotron-H, Bamba,
+Granite-4 hybrid and Falcon-H1 (conv, then the state-space scan). Everything else stays
+refused (`detect.py`).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import types
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 
-from ..step.slot import current_step
+from ..step.doc_ids import position_breaks
+from ..step.slot import STEP_SLOT, current_step
 
-#: attribute set on a routed mixer instance: the layer kind it serves (``"conv"``)
+#: attribute set on a routed mixer instance: the layer kinds it serves (``("conv",)``)
 ROUTED_KIND = "blockdiag_cp_mixer_kind"
-#: attribute set on a prepared model: the layer kinds its mixers route
+#: attribute set on a prepared model and all its submodules: the layer kinds its mixers route
 PREPARED_KINDS = "blockdiag_cp_routed_kinds"
+#: attribute a decoder layer's pre-hook sets on its routed mixer for one call (`RowMarks`)
+ROW_MARKS = "blockdiag_cp_row_marks"
+#: attribute set on a decoder layer whose hooks lend its mixers their `RowMarks`
+LENDS_MARKS = "blockdiag_cp_lends_row_marks"
+#: attribute of a prepared model: the decoder layers that lend their mixers `RowMarks`
+LENDERS = "blockdiag_cp_lenders"
+#: attribute of those layers while the model runs outside a step: whether the call is one packed
+#: row by its ``position_ids``
+PACKED_CALL = "blockdiag_cp_packed_call"
+#: the layer kind the size-only detection reports (a config without a layer-type list: Bamba, Falcon-H1)
+STATE_SPACE = "state_space"
 
 
-def short_conv_forward(module: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
-    """LFM2's ``ShortConv`` (``y = out_proj(C * conv(B * x))``, ``B, C, x = in_proj(h)``) per document
-    inside a CP step; its own forward outside one. ``hidden_states [1, L, E]``."""
+class RowMarks(NamedTuple):
+    """What marks the documents of the row a decoder layer is called on (outside a step)."""
+
+    position_ids: Optional[torch.Tensor]
+    cu_seq_lens_q: Optional[torch.Tensor]
+
+
+def per_document_state(module: torch.nn.Module, hidden_states: torch.Tensor, attention_mask: Any, kwargs: dict):
+    """The `StepState` to run `module` per document with, or None (run its own forward).
+
+    Inside a step: the step's. Outside: a world-1 state for one row of several documents or
+    with padding (`hidden_states [1, S, E]`; documents from the layer's `RowMarks`, the mixer's
+    ``cu_seq_lens_q`` and a ``[1, S]`` `attention_mask`), planned once per forward.
+    """
     state = current_step()
-    if state is None:
-        return module.blockdiag_cp_own_forward(hidden_states, *args, **kwargs)
+    if state is not None or hidden_states.shape[0] != 1:
+        return state
+    marks = getattr(module, ROW_MARKS, None) or RowMarks(None, None)
+    cu = kwargs.get("cu_seq_lens_q", marks.cu_seq_lens_q)
+    mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 else None
+    if marks.position_ids is None and cu is None and mask is None:
+        return None
+    S, device = hidden_states.shape[1], hidden_states.device
+
+    def plan():
+        from ..config import CPConfig
+        from ..step.doc_ids import resolve_doc_ids
+        from ..step.state import build_step_state
+
+        found = {"position_ids": marks.position_ids, "cu_seq_lens_q": cu, "attention_mask": mask}
+        doc_ids = resolve_doc_ids({k: v for k, v in found.items() if v is not None}, S, device, 1)[0]
+        if bool((doc_ids == doc_ids[0]).all()) and int(doc_ids[0]) != 0:
+            return None  # one document: the layer's own forward is exact
+        return build_step_state(doc_ids, 1, 0, None, CPConfig(), device)
+
+    return STEP_SLOT.implicit_state((marks.position_ids, cu, mask), ("mixer rows", S, device), plan)
+
+
+def _route(own_name: str):
+    """Decorator: `forward(module, state, hidden_states)` runs when `per_document_state` gives a state,
+    else the instance's own forward (kept as `own_name`)."""
+    def wrap(per_document: Callable) -> Callable:
+        @functools.wraps(per_document)
+        def forward(module, hidden_states, cache=None, attention_mask=None, **kwargs):
+            state = per_document_state(module, hidden_states, attention_mask, kwargs)
+            if state is None:
+                return getattr(module, own_name)(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+            return per_document(module, state, hidden_states)
+        return forward
+    return wrap
+
+
+OWN_FORWARD = "blockdiag_cp_own_forward"
+
+
+@_route(OWN_FORWARD)
+def short_conv_forward(module: torch.nn.Module, state, hidden_states: torch.Tensor) -> torch.Tensor:
+    """LFM2's ``ShortConv`` per document: ``y = out_proj(C * conv(B * x))``, ``B, C, x = in_proj(h)``;
+    ``hidden_states [1, L, E]``."""
     B, C, x = module.in_proj(hidden_states[0]).chunk(3, dim=-1)  # [L, E] each
     conv = state.conv_plan(module.conv_kernel_size)(B * x, module.conv.weight[:, 0, :], module.conv.bias)
     return module.out_proj(C * conv).unsqueeze(0)
 
 
-def qwen3_next_delta_forward(module: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
-    """Qwen3-Next's Gated DeltaNet per document inside a CP step (its own forward outside one)."""
-    state = current_step()
-    if state is None:
-        return module.blockdiag_cp_own_forward(hidden_states, *args, **kwargs)
+@_route(OWN_FORWARD)
+def qwen3_next_delta_forward(module: torch.nn.Module, state, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Qwen3-Next's Gated DeltaNet per document."""
     q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(hidden_states),
                                                            module.in_proj_ba(hidden_states))
     mixed = torch.cat([x.reshape(x.shape[1], -1) for x in (q, k, v)], dim=-1)  # [L, conv channels]
-    return _gated_delta_in_step(module, state, mixed, z[0], b[0], a[0])
+    return _gated_delta(module, state, mixed, z[0], b[0], a[0])
 
 
-def qwen3_5_delta_forward(module: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
-    """Qwen3.5's Gated DeltaNet per document inside a CP step (its own forward outside one)."""
-    state = current_step()
-    if state is None:
-        return module.blockdiag_cp_own_forward(hidden_states, *args, **kwargs)
+@_route(OWN_FORWARD)
+def qwen3_5_delta_forward(module: torch.nn.Module, state, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Qwen3.5's Gated DeltaNet per document."""
     h = hidden_states[0]
     z = module.in_proj_z(h).reshape(h.shape[0], -1, module.head_v_dim)
-    return _gated_delta_in_step(module, state, module.in_proj_qkv(h), z, module.in_proj_b(h), module.in_proj_a(h))
+    return _gated_delta(module, state, module.in_proj_qkv(h), z, module.in_proj_b(h), module.in_proj_a(h))
 
 
-def _gated_delta_in_step(module, state, mixed_LC, z_LHD, b_LH, a_LH) -> torch.Tensor:
+def _gated_delta(module, state, mixed_LC, z_LHD, b_LH, a_LH) -> torch.Tensor:
     """The shared part of a Gated DeltaNet layer: conv and activation per document, the gated delta
     rule per document (`StepState.piece_schedule`), the gated norm and the output projection.
     ``mixed [L, 2 key_dim + value_dim]`` (q, k, v before the conv) -> ``[1, L, hidden]``."""
@@ -71,20 +152,55 @@ def _gated_delta_in_step(module, state, mixed_LC, z_LHD, b_LH, a_LH) -> torch.Te
     conv = state.conv_plan(module.conv_kernel_size)(mixed_LC, module.conv1d.weight[:, 0, :], module.conv1d.bias)
     q, k, v = torch.split(ACT2FN[module.activation](conv), [module.key_dim, module.key_dim, module.value_dim], dim=-1)
     beta = b_LH.sigmoid()
-    g = -module.A_log.float().exp() * torch.nn.functional.softplus(a_LH.float() + module.dt_bias)
+    g = -module.A_log.float().exp() * F.softplus(a_LH.float() + module.dt_bias)  # as transformers computes it
     core = state.piece_schedule.gated_delta_rule(q.reshape(L, -1, module.head_k_dim), k.reshape(L, -1, module.head_k_dim),
                                                  v.reshape(L, -1, module.head_v_dim), g, beta)
     core = module.norm(core.reshape(-1, module.head_v_dim), z_LHD.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(1, L, -1))
 
 
-#: mixer classes the library routes: class name -> (layer kind, forward)
-ROUTED_MIXERS: Mapping[str, tuple[str, Callable]] = types.MappingProxyType({
-    "Lfm2ShortConv": ("conv", short_conv_forward),
-    "Lfm2MoeShortConv": ("conv", short_conv_forward),
-    "Qwen3NextGatedDeltaNet": ("linear_attention", qwen3_next_delta_forward),
-    "Qwen3_5GatedDeltaNet": ("linear_attention", qwen3_5_delta_forward),
-    "Qwen3_5MoeGatedDeltaNet": ("linear_attention", qwen3_5_delta_forward),
+@_route(OWN_FORWARD)
+def mamba2_forward(module: torch.nn.Module, state, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A Mamba2 mixer per document (Nemotron-H, Bamba, Granite-4 hybrid; Falcon-H1 with its
+    multipliers and optional norm): in_proj -> (gate, xBC, dt); conv and activation per document;
+    the scan per document (`PieceSchedule.ssd`) plus ``D x``; gated norm; out_proj."""
+    h = hidden_states[0]
+    dtype = h.dtype
+    if hasattr(module, "ssm_in_multiplier"):
+        h = h * module.ssm_in_multiplier
+    projected = module.in_proj(h)
+    if hasattr(module, "mup_vector"):
+        projected = projected * module.mup_vector.reshape(-1)
+    I, H, P = module.intermediate_size, module.num_heads, module.head_dim
+    GN = module.n_groups * module.ssm_state_size
+    gate, xBC, dt = projected.split([I, module.conv_dim, H], dim=-1)
+    xBC = module.act(state.conv_plan(module.conv_kernel_size)(xBC, module.conv1d.weight[:, 0, :], module.conv1d.bias))
+    x, B, C = xBC.split([I, GN, GN], dim=-1)
+    L = x.shape[0]
+    low, high = module.time_step_limit
+    dt = torch.clamp(F.softplus(dt + module.dt_bias.to(dt.dtype)), min=low, max=high)
+    A = -torch.exp(module.A_log.float())  # as transformers computes it
+    groups = (L, module.n_groups, module.ssm_state_size)
+    y = state.piece_schedule.ssd(x.reshape(L, H, P), dt, A, B.reshape(groups), C.reshape(groups))
+    y = (y + module.D[:, None].to(y.dtype) * x.reshape(L, H, P)).reshape(1, L, I)
+    if getattr(module, "mamba_rms_norm", True):
+        y = module.norm(y, gate.unsqueeze(0))
+    else:
+        y = y * F.silu(gate.unsqueeze(0))
+    return module.out_proj(y.to(dtype))
+
+
+#: mixer classes the library routes: class name -> (layer kinds it serves, forward)
+ROUTED_MIXERS: Mapping[str, tuple[tuple[str, ...], Callable]] = types.MappingProxyType({
+    "Lfm2ShortConv": (("conv",), short_conv_forward),
+    "Lfm2MoeShortConv": (("conv",), short_conv_forward),
+    "Qwen3NextGatedDeltaNet": (("linear_attention",), qwen3_next_delta_forward),
+    "Qwen3_5GatedDeltaNet": (("linear_attention",), qwen3_5_delta_forward),
+    "Qwen3_5MoeGatedDeltaNet": (("linear_attention",), qwen3_5_delta_forward),
+    "NemotronHMamba2Mixer": (("linear_attention", "mamba", STATE_SPACE), mamba2_forward),
+    "BambaMixer": (("linear_attention", "mamba", STATE_SPACE), mamba2_forward),
+    "GraniteMoeHybridMambaLayer": (("linear_attention", "mamba", STATE_SPACE), mamba2_forward),
+    "FalconH1Mixer": (("linear_attention", "mamba", STATE_SPACE), mamba2_forward),
 })
 
 
@@ -92,27 +208,85 @@ def prepare_model(model: torch.nn.Module) -> frozenset[str]:
     """Route every supported token mixer of `model` (idempotent); return the layer kinds routed.
 
     Models without such mixers are left as they are. Call it once after loading (the Trainer
-    mixin does); mixers it does not support stay refused inside a step, naming them.
+    mixin does, and so does `blockdiag_cp.hf.prepare_model`); mixers it does not support stay
+    refused, naming them. Note [Routed token mixers] says what it installs.
     """
-    kinds = set()
-    for module in model.modules():
+    kinds: set[str] = set()
+    modules = dict(model.named_modules())
+    lenders: list[torch.nn.Module] = list(getattr(model, LENDERS, ()))
+    for name, module in modules.items():
         routed = ROUTED_MIXERS.get(type(module).__name__)
         if routed is None:
             continue
-        kind, forward = routed
+        served, forward = routed
         if getattr(module, ROUTED_KIND, None) is None:
-            module.blockdiag_cp_own_forward = module.forward
+            setattr(module, OWN_FORWARD, module.forward)
             module.forward = types.MethodType(forward, module)
-            setattr(module, ROUTED_KIND, kind)
-        kinds.add(kind)
+            setattr(module, ROUTED_KIND, served)
+            lenders.append(modules.get(name.rpartition(".")[0], model))
+            _hand_marks_from(lenders[-1])
+        kinds.update(served)
     if kinds and getattr(model, PREPARED_KINDS, None) is None:
-        setattr(model, PREPARED_KINDS, frozenset(kinds))
-        model.register_forward_pre_hook(_tell_the_step)
+        for module in modules.values():
+            setattr(module, PREPARED_KINDS, frozenset(kinds))
+        setattr(model, LENDERS, tuple(lenders))
+        model.register_forward_pre_hook(_note_the_call, with_kwargs=True)
+        model.register_forward_hook(_end_the_call, always_call=True)
     return frozenset(kinds)
 
 
-def _tell_the_step(model: torch.nn.Module, args: tuple) -> None:
-    """Forward pre-hook of a prepared model: the active step (if any) learns which mixer kinds it routes."""
+def _hand_marks_from(layer: torch.nn.Module) -> None:
+    """Hooks on `layer` that lend its routed mixers the call's `RowMarks` (Note [Routed token mixers]).
+    Module-level functions, not closures: a deep copy of the model keeps hooks that act on its own mixers."""
+    if getattr(layer, LENDS_MARKS, False):
+        return
+    setattr(layer, LENDS_MARKS, True)
+    layer.register_forward_pre_hook(_lend_marks, with_kwargs=True)
+    layer.register_forward_hook(_take_marks_back, always_call=True)
+
+
+def _lend_marks(layer: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    call = inspect.signature(layer.forward).bind_partial(*args, **kwargs).arguments
+    extra = call.get("kwargs") if isinstance(call.get("kwargs"), dict) else {}
+    position_ids = call.get("position_ids", extra.get("position_ids"))
+    marks = RowMarks(position_ids if isinstance(position_ids, torch.Tensor) else None,
+                     call.get("cu_seq_lens_q", extra.get("cu_seq_lens_q")))
+    if marks == (None, None) and getattr(layer, PACKED_CALL, False) and current_step() is None:
+        raise ValueError(
+            f"blockdiag-cp: this model was called on a packed row (position_ids that restart), but its "
+            f"{type(layer).__name__} is not handed position_ids, so neither its attention nor its token mixer "
+            "can see the documents. Pass cu_seq_lens_q / max_length_q as well (DataCollatorWithFlattening("
+            "return_flash_attn_kwargs=True)), or run the row inside a CP step (make_cp_blockdiag_batch_and_ctx, "
+            "world 1 for one process)."
+        )
+    _set_marks(layer, marks)
+
+
+def _take_marks_back(layer: torch.nn.Module, *_: Any) -> None:
+    _set_marks(layer, None)
+
+
+def _set_marks(layer: torch.nn.Module, marks: Optional[RowMarks]) -> None:
+    for child in layer.children():
+        if getattr(child, ROUTED_KIND, None) is not None:
+            setattr(child, ROW_MARKS, marks)
+
+
+def _note_the_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of a prepared model. Inside a step: the step learns which mixer kinds the
+    model routes. Outside: whether the call is one packed row by its ``position_ids``
+    (`PACKED_CALL`), so that a decoder layer that is not handed them can refuse."""
     state = current_step()
     if state is not None:
         state.call_notes.record_routed_mixers(getattr(model, PREPARED_KINDS))
+        return
+    position_ids = kwargs.get("position_ids")
+    packed = (isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 and position_ids.shape[0] == 1
+              and kwargs.get("cu_seq_lens_q") is None and bool(position_breaks(position_ids).any()))
+    for layer in getattr(model, LENDERS, ()):
+        setattr(layer, PACKED_CALL, packed)
+
+
+def _end_the_call(model: torch.nn.Module, *_: Any) -> None:
+    for layer in getattr(model, LENDERS, ()):
+        setattr(layer, PACKED_CALL, False)

@@ -8,14 +8,14 @@ group) shards it with `make_cp_blockdiag_batch_and_ctx`, runs forward and backwa
 through `cp_blockdiag_sdpa`, and compares every rank's output rows and the summed
 input gradients with `oracle_attention` on the full row.
 
-    oracle.py      oracle_attention, doc_ids_from_lengths, gated_delta_rule_oracle
+    oracle.py      oracle_attention, doc_ids_from_lengths, gated_delta_rule_oracle, ssd_oracle
     parity.py      ParityCase, run_parity_case, parity_worker, reference_error
     ranks.py       spawn, RankPool: real gloo ranks in subprocesses
     host_syncs.py  count_host_syncs
 """
 
 from .host_syncs import HOST_SYNC_OPS, count_host_syncs
-from .oracle import doc_ids_from_lengths, gated_delta_rule_oracle, oracle_attention
+from .oracle import doc_ids_from_lengths, gated_delta_rule_oracle, oracle_attention, ssd_oracle
 from .parity import ParityCase, ParityResult, oracle_case, parity_worker, reference_error, run_parity_case
 from .ranks import RankPool, spawn
 
@@ -27,6 +27,7 @@ __all__ = (
     "count_host_syncs",
     "doc_ids_from_lengths",
     "gated_delta_rule_oracle",
+    "ssd_oracle",
     "oracle_attention",
     "oracle_case",
     "parity_worker",

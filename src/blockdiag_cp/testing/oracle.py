@@ -68,3 +68,18 @@ def gated_delta_rule_oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         state = state + torch.einsum("bhk,bhv->bhkv", k[:, t], (v[:, t] - remembered) * beta[:, t, :, None])
         out.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
     return torch.stack(out, dim=1), state
+
+
+def ssd_oracle(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+               initial_state: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba2's scan token by token, in the inputs' dtype (shapes as `mixers.chunked.chunked_ssd`):
+    per head ``S <- exp(dt A) S + dt x B^T``, ``y = S C`` (no ``D x`` skip)."""
+    Bt, T, H, P = x.shape
+    B, C = (m.repeat_interleave(H // m.shape[2], dim=2) for m in (B, C))
+    state = x.new_zeros((Bt, H, P, B.shape[-1])) if initial_state is None else initial_state.clone()
+    out = []
+    for t in range(T):
+        decay = (dt[:, t] * A).exp()[..., None, None]
+        state = state * decay + torch.einsum("bhp,bhn->bhpn", x[:, t] * dt[:, t, :, None], B[:, t])
+        out.append(torch.einsum("bhpn,bhn->bhp", state, C[:, t]))
+    return torch.stack(out, dim=1), state
