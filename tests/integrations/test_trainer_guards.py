@@ -82,7 +82,7 @@ def test_an_unsupported_hybrid_model_is_refused_at_construction(trainer_example,
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = transformers.JambaForCausalLM(config)
-    with pytest.raises(ValueError, match="JambaMambaMixer"):
+    with pytest.raises(ValueError, match="JambaMamba"):
         BlockDiagCPTrainer(model=model, args=arguments(trainer_example, tmp_path), cp_size=1)
 
 
