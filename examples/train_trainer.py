@@ -1,9 +1,10 @@
-"""Train with transformers' Trainer and block-diagonal CP: a tiny Llama on packed rows, no downloads.
+"""Train with transformers' Trainer and block-diagonal CP: a tiny Llama (or Nemotron-H hybrid) on packed rows, no downloads.
 
     torchrun --standalone --nproc-per-node 4 examples/train_trainer.py --cp 2            # dp=2 x cp=2
     torchrun --standalone --nproc-per-node 2 examples/train_trainer.py --cp 2 --bf16     # autocast
     python examples/train_trainer.py --cp 0 --dp 2                                       # the run without CP
     torchrun --standalone --nproc-per-node 2 examples/train_trainer.py --cp 0            # without CP, plain DDP
+    torchrun --standalone --nproc-per-node 2 examples/train_trainer.py --cp 2 --model nemotron_h   # a hybrid
 
 `--cp 0` is transformers' own Trainer (no blockdiag-cp): in one process with the batches
 of `--dp` replicas, or under torchrun as plain DDP (`--dp 1`: each process one replica):
@@ -64,6 +65,21 @@ def tiny_llama():
     return transformers.LlamaForCausalLM(config)
 
 
+def tiny_nemotron_h():
+    """A tiny Nemotron-H hybrid: a Mamba2 layer, an attention layer, an MLP layer (`--model nemotron_h`)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.NemotronHConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, max_position_embeddings=4096, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=2,
+        conv_kernel=4, chunk_size=16, layers_block_type=["linear_attention", "full_attention", "mlp"])
+    return transformers.NemotronHForCausalLM(config)
+
+
+MODELS = {"llama": tiny_llama, "nemotron_h": tiny_nemotron_h}
+
+
 def pad_collator(features: list[dict]) -> dict[str, torch.Tensor]:
     """Right-padded rows: input_ids, attention_mask, labels (-100 on padding)."""
     longest = max(len(f["input_ids"]) for f in features)
@@ -103,7 +119,7 @@ def build_trainer(args: argparse.Namespace, output_dir: str):
 
     collator = transformers.DataCollatorWithFlattening() if args.collator == "flatten" else pad_collator
     train = IterableDocuments(documents(args.train_docs)) if args.iterable else documents(args.train_docs)
-    common = dict(model=tiny_llama(), train_dataset=train, eval_dataset=documents(args.eval_docs, seed=1),
+    common = dict(model=MODELS[args.model](), train_dataset=train, eval_dataset=documents(args.eval_docs, seed=1),
                   data_collator=collator)
     if args.cp == 0:
         common["model"].set_attn_implementation("sdpa")
@@ -135,6 +151,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cp", type=int, default=2, help="ranks per CP group; 0 = transformers' Trainer without CP")
     p.add_argument("--dp", type=int, default=1, help="with --cp 0: how many dp replicas' batches one step takes")
+    p.add_argument("--model", choices=sorted(MODELS), default="llama",
+                   help="nemotron_h: a hybrid (Mamba2) model; its run without CP needs --collator pad")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--epochs", type=int, default=None, help="train whole epochs instead of --steps")
     p.add_argument("--train-docs", type=int, default=96, help="documents in the training set")
