@@ -117,14 +117,14 @@ def test_partial_last_batches_at_dp1_equal_the_run_without_cp(tmp_path):
 def test_a_hybrid_model_under_cp_trains_as_transformers_trainer_without_cp(tmp_path):
     """A tiny Nemotron-H (Mamba2 + attention) at cp=2, packed rows, checkpointing, against transformers'
     Trainer on padded rows (one document per row: its own layers are exact there). Float32: the
-    two scans round differently, hence the looser tolerance."""
+    two scans round differently (a state hand-off off by one token moves the parameters by 4e-5)."""
     trainer_example = example("train_trainer")
     common = ["--model", "nemotron_h", "--train-docs", "24", "--batch", "3", "--accum", "2", "--steps", "4",
               "--evaluate"]
     cp_lines = torchrun(2, "train_trainer.py", "--cp", "2", "--checkpointing", "--save", str(tmp_path / "p.pt"), *common)
     reference = trainer_example.run(trainer_example.parse_args(["--cp", "0", "--collator", "pad", *common]))
     reference["total_flos"] = None  # the padded rows' FLOP count is not the packed rows'
-    assert_same_run(cp_lines, reference, tmp_path / "p.pt", loss_tol=1e-4, param_tol=1e-4)
+    assert_same_run(cp_lines, reference, tmp_path / "p.pt", loss_tol=1e-6, param_tol=2e-6)  # observed 9e-8, 4e-7
 
 
 @pytest.mark.slow
