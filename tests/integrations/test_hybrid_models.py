@@ -265,3 +265,45 @@ def test_the_trainer_mixin_prepares_a_supported_hybrid(tmp_path):
     args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
     trainer = BlockDiagCPTrainer(model=build("nemotron_h"), args=args, cp_size=1)
     assert "linear_attention" in getattr(trainer.model, "blockdiag_cp_routed_kinds")
+
+
+def test_loading_through_blockdiag_cp_hf_sets_the_implementation_and_prepares():
+    config_name, model_name, extra, *_ = FAMILIES["falcon_h1"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = blockdiag_cp.hf.from_config(getattr(transformers, config_name)(**extra))
+    assert type(model).__name__ == model_name and model.config._attn_implementation == "blockdiag_cp"
+    assert "state_space" in model.blockdiag_cp_routed_kinds
+    with pytest.raises(ValueError, match="attn_implementation"):
+        blockdiag_cp.hf.from_config(getattr(transformers, config_name)(**extra), attn_implementation="sdpa")
+
+
+def bytes_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from blockdiag_cp import CPConfig
+    from blockdiag_cp.mixers import MixerShape
+    from blockdiag_cp.testing import doc_ids_from_lengths
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"]
+    out = {}
+    for name, lengths in {"one long document": (4000,), "many short ones": (9,) * 444 + (4,)}.items():
+        batch = {"input_ids": torch.zeros(1, sum(lengths), dtype=torch.long),
+                 "_packed_seq_ids": doc_ids_from_lengths(lengths).unsqueeze(0)}
+        ctx, _ = make_cp_blockdiag_batch_and_ctx(mesh, None, batch, config=CPConfig(layout="contiguous"))
+        with ctx() as state:
+            delta = MixerShape("gated_delta", conv_width=4, conv_channels=2 * 2 * 8 + 4 * 8, heads=4, key_heads=2,
+                               key_dim=8, value_dim=8)
+            out[name] = state.mixer_bytes_per_layer(delta, torch.float32)
+    return out
+
+
+def test_mixer_bytes_do_not_grow_with_the_documents_and_are_far_below_head_parallelism(rank_pools):
+    """cp 2, contiguous: one boundary, so one straddling piece: 3 halo rows of 64 channels and one
+    (P, B) of 4 x 8 x 16 in float32, each way; head parallelism moves half of every row."""
+    for out in rank_pools(2).run(bytes_worker):
+        for name, got in out.items():
+            assert got.halo.sent_fwd == 3 * 64 * 4, name
+            assert got.state.sent_fwd == 4 * 8 * 16 * 4, name
+            assert got.head_parallel.sent_fwd == 1000 * (64 + 8 + 32) * 4, name  # (W - 1) / W of 2000 rows
+            assert got.sent == 2 * (3 * 64 * 4 + 4 * 8 * 16 * 4)

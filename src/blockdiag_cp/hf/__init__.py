@@ -3,13 +3,15 @@
     interface.py  the attention and mask functions registered with transformers' public
                   ``AttentionInterface`` / ``AttentionMaskInterface`` (nothing is monkeypatched)
     vlm.py        make_cp_vlm_batch_and_ctx: a packed vision-language row to a sharded CP step
+    load.py       from_pretrained / from_config: the implementation set and the model prepared
 
 `prepare_model(model)` (from `blockdiag_cp.mixers`) routes a hybrid model's supported token
-mixers per document inside CP steps. The Trainer mixin is `blockdiag_cp.trainer`.
+mixers per document, on packed rows and inside CP steps. The Trainer mixin is `blockdiag_cp.trainer`.
 """
 
 from ..mixers import prepare_model
 from .interface import ATTN_IMPLEMENTATION, blockdiag_cp_attention, blockdiag_cp_mask, register
+from .load import from_config, from_pretrained
 from .vlm import make_cp_vlm_batch_and_ctx, vlm_model_inputs
 
 register()
@@ -18,6 +20,8 @@ __all__ = (
     "ATTN_IMPLEMENTATION",
     "blockdiag_cp_attention",
     "blockdiag_cp_mask",
+    "from_config",
+    "from_pretrained",
     "make_cp_vlm_batch_and_ctx",
     "prepare_model",
     "register",

@@ -8,12 +8,17 @@ run on the local shard alone, starting from an empty state on every rank. Such l
 are either routed per document (`prepare_model`, routing.py; the kernels: conv.py) or
 refused, naming them (`refuse_unrouted_mixers`, detect.py).
 
-    detect.py    which mixers a model has outside the attention interface, and the refusal
-    routing.py   prepare_model: per-document forwards for the supported mixer layers
-    conv.py      the per-document causal convolution across CP ranks
+    detect.py      which mixers a model has outside the attention interface, and the refusal
+    routing.py     prepare_model: per-document forwards for the supported mixer layers
+    conv.py        the per-document causal convolution across CP ranks (a k - 1 row halo)
+    recurrence.py  the gated delta rule and Mamba2's scan per document across CP ranks (state hand-off)
+    chunked.py     the library's own chunked kernels for both (torch, any device, any initial state)
+    traffic.py     bytes per mixer layer (StepState.mixer_bytes_per_layer) beside head parallelism
 """
 
 from .detect import UnroutedMixer, find_unrouted_mixers, refuse_unrouted_mixers, unrouted_config_mixers
 from .routing import prepare_model
+from .traffic import MixerBytes, MixerShape
 
-__all__ = ("UnroutedMixer", "find_unrouted_mixers", "prepare_model", "refuse_unrouted_mixers", "unrouted_config_mixers")
+__all__ = ("MixerBytes", "MixerShape", "UnroutedMixer", "find_unrouted_mixers", "prepare_model", "refuse_unrouted_mixers",
+           "unrouted_config_mixers")

@@ -13,7 +13,7 @@ import functools
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,9 @@ from ..plan.geometry import StepGeometry
 from ..mixers.conv import ConvPlan
 from ..mixers.recurrence import PieceSchedule
 from .notes import CallNotes
+
+if TYPE_CHECKING:
+    from ..mixers.traffic import MixerBytes, MixerShape
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +131,13 @@ class StepState:
         moved = ulysses_elements(degree, self.local_len, heads, kv_heads, head_dim) * size
         kv = self.exchange_for(window).traffic.bytes(kv_per_rank, head_dim, dtype)
         return LayerBytes(Traffic(moved, moved, moved, moved), kv)
+
+    def mixer_bytes_per_layer(self, shape: "MixerShape", dtype: torch.dtype) -> "MixerBytes":
+        """Bytes this rank moves per routed token-mixer layer of `shape` (`mixers.traffic`): the conv
+        halo and the recurrent state hand-off, beside what head parallelism around it would move."""
+        from ..mixers.traffic import mixer_bytes
+
+        return mixer_bytes(self, shape, dtype)
 
     def work_per_rank(self, window: Optional[int] = None) -> torch.Tensor:
         """``[W]``: causal attention work (query-key pairs, all heads) per rank (under a sliding `window`).
