@@ -299,11 +299,12 @@ def bytes_worker(rank, world):
 
 
 def test_mixer_bytes_do_not_grow_with_the_documents_and_are_far_below_head_parallelism(rank_pools):
-    """cp 2, contiguous: one boundary, so one straddling piece: 3 halo rows of 64 channels and one
+    """cp 2, contiguous: one boundary, so one straddling piece: up to 3 halo rows of 64 channels and one
     (P, B) of 4 x 8 x 16 in float32, each way; head parallelism moves half of every row."""
     for out in rank_pools(2).run(bytes_worker):
         for name, got in out.items():
-            assert got.halo.sent_fwd == 3 * 64 * 4, name
+            halo_rows = 3 if name == "one long document" else 2  # that document starts 2 tokens before the cut
+            assert got.halo.sent_fwd == halo_rows * 64 * 4, name
             assert got.state.sent_fwd == 4 * 8 * 16 * 4, name
             assert got.head_parallel.sent_fwd == 1000 * (64 + 8 + 32) * 4, name  # (W - 1) / W of 2000 rows
-            assert got.sent == 2 * (3 * 64 * 4 + 4 * 8 * 16 * 4)
+            assert got.sent == 2 * (halo_rows * 64 * 4 + 4 * 8 * 16 * 4)
