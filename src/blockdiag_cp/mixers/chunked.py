@@ -65,6 +65,7 @@ def chunked_gated_delta_rule(
     q, k, v, g, beta = (x.transpose(1, 2).to(dtype) for x in (q, k, v, g, beta))  # [B, H, T, ...]
     q, k = _l2norm(q), _l2norm(k)
     q = q * q.shape[-1] ** -0.5
+    chunk = _chunk_for(T, chunk)
     pad = (-T) % chunk
     q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
     g, beta = (torch.nn.functional.pad(x, (0, pad)) for x in (g, beta))
@@ -80,10 +81,9 @@ def chunked_gated_delta_rule(
     w = torch.linalg.solve_triangular(eye + system, beta * k * c.exp().unsqueeze(-1), upper=False, unitriangular=True)
     state = q.new_zeros((B, Hv, k.shape[-1], dv)) if initial_state is None else initial_state.to(dtype)
     outputs = []
-    for i in range(n):
-        qi, ki, ci = q[:, :, i], k[:, :, i], c[:, :, i]
-        v_new = u[:, :, i] - w[:, :, i] @ state
-        attn = (qi @ ki.transpose(-1, -2)) * decay[:, :, i]
+    for qi, ki, ci, ui, wi, di in zip(*(t.unbind(2) for t in (q, k, c, u, w, decay))):  # unbind: a linear backward
+        v_new = ui - wi @ state
+        attn = (qi @ ki.transpose(-1, -2)) * di
         outputs.append((qi * ci.exp().unsqueeze(-1)) @ state + attn @ v_new)
         last = ci[..., -1:]
         state = state * last.exp().unsqueeze(-1) + (ki * (last - ci).exp().unsqueeze(-1)).transpose(-1, -2) @ v_new
@@ -116,6 +116,7 @@ def chunked_ssd(
     x, dt, B, C = (t.transpose(1, 2).to(dtype) for t in (x, dt, B, C))  # [Bt, H, T, ...]
     a = dt * A.to(dtype)[:, None]
     xdt = x * dt.unsqueeze(-1)
+    chunk = _chunk_for(T, chunk)
     pad = (-T) % chunk
     xdt, B, C = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (xdt, B, C))
     a = torch.nn.functional.pad(a, (0, pad))
@@ -127,11 +128,15 @@ def chunked_ssd(
     inside = ((C @ B.transpose(-1, -2)) * decay) @ xdt  # [Bt, H, n, chunk, P]
     state = x.new_zeros((Bt, H, P, B.shape[-1])) if initial_state is None else initial_state.to(dtype)
     outputs = []
-    for i in range(n):
-        ci = c[:, :, i]
-        outputs.append(inside[:, :, i] + ci.exp().unsqueeze(-1) * (C[:, :, i] @ state.transpose(-1, -2)))
+    for ci, inside_i, Ci, xdt_i, Bi in zip(*(t.unbind(2) for t in (c, inside, C, xdt, B))):  # unbind: a linear backward
+        outputs.append(inside_i + ci.exp().unsqueeze(-1) * (Ci @ state.transpose(-1, -2)))
         last = ci[..., -1:]
-        carried = (xdt[:, :, i] * (last - ci).exp().unsqueeze(-1)).transpose(-1, -2) @ B[:, :, i]
+        carried = (xdt_i * (last - ci).exp().unsqueeze(-1)).transpose(-1, -2) @ Bi
         state = state * last.exp().unsqueeze(-1) + carried
     y = torch.stack(outputs, dim=2).reshape(Bt, H, n * chunk, P)[:, :, :T]
     return y.transpose(1, 2).to(x.dtype), state
+
+
+def _chunk_for(T: int, chunk: int) -> int:
+    """`chunk`, or the smallest power of two holding a shorter row (a short piece is not padded to 64)."""
+    return min(chunk, 1 << max(T - 1, 0).bit_length())
