@@ -40,6 +40,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..kernels.base import accumulate_dtype
 from ..parallel.collectives import AllGatherRows
 from ..plan.geometry import StepGeometry
 from .chunked import chunked_gated_delta_rule, chunked_ssd
@@ -110,63 +111,64 @@ class PieceSchedule:
         g, beta ``[L, Hv]``); padding rows 0. Differentiable; runs the step's all-gather when a
         document crosses pieces (forward and backward)."""
         run = _PieceRunner((q_LHD, k_LHD, v_LHD, g_LH, beta_LH), chunked_gated_delta_rule)
-        out = v_LHD.new_zeros(v_LHD.shape)
         first = [p for p in self.pieces if p.starts_document]
-        o_first, b_first = run(first)
-        _write(out, first, o_first)
+        ran = run(first)
+        out = v_LHD.new_zeros(v_LHD.shape) if ran is None else ran.written(v_LHD.new_zeros(v_LHD.shape))
         if self.pad == 0:
             return out if self.pieces else out + 0.0 * v_LHD.sum()  # a rank of only padding: still a graph
         dk = k_LHD.shape[-1]
         sent = v_LHD.new_zeros((self.pad, v_LHD.shape[1], dk, dk + v_LHD.shape[2]))  # (P, B) by slot
         kept = [i for i, p in enumerate(first) if p.continues]
         if kept:
-            B = b_first[kept]
+            B = ran.finals.index_select(0, torch.tensor(kept, device=out.device))
             no_transition = B.new_zeros((*B.shape[:3], dk))  # a document's first piece: S_out = B
             sent = sent.index_copy(0, _slots([first[i] for i in kept], sent), torch.cat([no_transition, B], -1))
         middle = [p for p in self.pieces if p.continues and not p.starts_document]
-        if middle:
-            B, P = run(middle)[1], run(middle, rule=_delta_rule_transition)[1]
-            sent = sent.index_copy(0, _slots(middle, sent), torch.cat([P, B], -1))
+        if middle:  # one pass from [I | 0] with values [0 | v]: its final state is [P | B]
+            sent = sent.index_copy(0, _slots(middle, sent), run(middle, rule=_delta_rule_transition_and_state).finals)
         # a rank with nothing to send still sends rows of its graph, so that every rank's backward
         # runs the all-gather's reduce-scatter (autograd skips a collective on an input without grad)
         sent = sent + 0.0 * v_LHD.reshape(-1)[:1].sum()
         gathered = AllGatherRows.apply(sent, self.group)  # [W * pad, Hv, dk, dk + dv]
         later = [p for p in self.pieces if not p.starts_document]
-        o_later, _ = run(later, initial=[_incoming(p, gathered, self.pad) for p in later])
-        _write(out, later, o_later)
+        if later:
+            out = run(later, initial=[_incoming(p, gathered, self.pad) for p in later]).written(out)
         return out + 0.0 * gathered.sum()  # every rank's backward joins the all-gather's reduce-scatter
-
 
     def ssd(self, x_LHP, dt_LH, A_H, B_LGN, C_LGN) -> torch.Tensor:
         """``y [L, H, P]`` of Mamba2's scan per document (without the ``D x`` skip): x ``[L, H, P]``,
         dt ``[L, H]`` (after softplus and clamping), A ``[H]``, B, C ``[L, G, N]``; padding rows 0.
         Differentiable; runs the step's all-gather when a document crosses pieces."""
-        out = x_LHP.new_zeros(x_LHP.shape)
-        y, final = _PieceRunner((x_LHP, dt_LH, B_LGN, C_LGN), lambda *rows, initial_state: chunked_ssd(
+        ran = _PieceRunner((x_LHP, dt_LH, B_LGN, C_LGN), lambda *rows, initial_state: chunked_ssd(
             rows[0], rows[1], A_H, rows[2], rows[3], initial_state=initial_state))(list(self.pieces))
-        _write(out, self.pieces, y)
+        out = x_LHP.new_zeros(x_LHP.shape) if ran is None else ran.written(x_LHP.new_zeros(x_LHP.shape))
         if self.pad == 0:
             return out if self.pieces else out + 0.0 * x_LHP.sum()
         H, P, N = x_LHP.shape[1], x_LHP.shape[2], B_LGN.shape[2]
-        log_decay = dt_LH.to(final.dtype) * A_H.to(final.dtype)  # [L, H]
-        sent = final.new_zeros((self.pad, H, 1 + P * N))  # (log transition, B) by slot
+        dtype = accumulate_dtype(x_LHP.dtype)
+        log_decay = dt_LH.to(dtype) * A_H.to(dtype)  # [L, H]
+        sent = x_LHP.new_zeros((self.pad, H, 1 + P * N), dtype=dtype)  # (log transition, B) by slot
         kept = [i for i, p in enumerate(self.pieces) if p.continues]
         if kept:
             totals = torch.stack([log_decay[p.local_start : p.local_start + p.length].sum(0) for p in
                                   (self.pieces[i] for i in kept)])
-            entries = torch.cat([totals.unsqueeze(-1), final[kept].reshape(len(kept), H, P * N)], -1)
+            final = ran.finals.index_select(0, torch.tensor(kept, device=out.device))
+            entries = torch.cat([totals.unsqueeze(-1), final.reshape(len(kept), H, P * N)], -1)
             sent = sent.index_copy(0, _slots([self.pieces[i] for i in kept], sent), entries)
         sent = sent + 0.0 * x_LHP.reshape(-1)[:1].sum()  # every rank's backward joins the reduce-scatter
         gathered = AllGatherRows.apply(sent, self.group)  # [W * pad, H, 1 + P N]
+        rows, corrections = [], []
         for p in self.pieces:
             if p.starts_document:
                 continue
             incoming = _incoming_scalar(p, gathered, self.pad).reshape(H, P, N)
-            rows = slice(p.local_start, p.local_start + p.length)
-            C = C_LGN[rows].repeat_interleave(H // C_LGN.shape[1], dim=1).to(final.dtype)  # [n, H, N]
-            fade = log_decay[rows].cumsum(0).exp()  # [n, H]
-            correction = fade.unsqueeze(-1) * torch.einsum("hpn,thn->thp", incoming, C)
-            out[rows] = out[rows] + correction.to(out.dtype)
+            span = slice(p.local_start, p.local_start + p.length)
+            C = C_LGN[span].repeat_interleave(H // C_LGN.shape[1], dim=1).to(dtype)  # [n, H, N]
+            fade = log_decay[span].cumsum(0).exp()  # [n, H]
+            corrections.append(fade.unsqueeze(-1) * torch.einsum("hpn,thn->thp", incoming, C))
+            rows.append(torch.arange(p.local_start, p.local_start + p.length))
+        if corrections:
+            out = out.index_add(0, torch.cat(rows).to(out.device), torch.cat(corrections).to(out.dtype))
         return out + 0.0 * gathered.sum()
 
 
@@ -195,49 +197,71 @@ def _incoming_scalar(piece: Piece, gathered: torch.Tensor, pad: int) -> torch.Te
     return state
 
 
-def _write(out: torch.Tensor, pieces, values: Optional[list]) -> None:
-    for piece, value in zip(pieces, values or []):
-        out[piece.local_start : piece.local_start + piece.length] = value
+@dataclass(frozen=True)
+class _Ran:
+    """What a run over pieces gives: ``values [R, ...]`` of local ``rows [R]`` (every piece's rows),
+    and the pieces' final states ``finals [n, ...]`` in the order they were given."""
+
+    rows: torch.Tensor
+    values: torch.Tensor
+    finals: torch.Tensor
+
+    def written(self, out: torch.Tensor) -> torch.Tensor:
+        """`out` with these rows replaced (one out-of-place index_copy: a backward linear in the rows)."""
+        return out.index_copy(0, self.rows, self.values.to(out.dtype))
 
 
 class _PieceRunner:
     """Runs a chunked rule on pieces, batched in length buckets. `rows`: per-row inputs ``[L, ...]``
     (right-padded with zeros, which every rule here treats as "leave the state as it is");
     ``rule(*padded_rows, initial_state=)`` -> ``(outputs [n, T, ...], final states [n, ...])``.
-    ``__call__(pieces, initial=, rule=)`` returns ``(outputs per piece, final states stacked)``."""
+    Every gather and scatter is one index op per bucket, so the backward is linear in the rows
+    (per-piece slices would each allocate a whole bucket's gradient)."""
 
     def __init__(self, rows: tuple, rule) -> None:
         self.rows, self.rule = rows, rule
 
-    def __call__(self, pieces, initial: Optional[list] = None, rule=None):
+    def __call__(self, pieces, initial: Optional[list] = None, rule=None) -> Optional[_Ran]:
         if not pieces:
-            return [], None
-        outputs, finals = [None] * len(pieces), [None] * len(pieces)
+            return None
+        device = self.rows[0].device
+        rows, values, finals, order = [], [], [], []
         for bucket in _buckets([p.length for p in pieces]):
             chosen = [pieces[i] for i in bucket]
             init = None if initial is None else torch.stack([initial[i] for i in bucket])
-            o, s = (rule or self.rule)(*self._take(chosen), initial_state=init)
-            for j, i in enumerate(bucket):
-                outputs[i], finals[i] = o[j, : pieces[i].length], s[j]
-        return outputs, torch.stack(finals)
+            index, T = self._index(chosen)
+            o, s = (rule or self.rule)(*self._take(index, len(chosen), T), initial_state=init)
+            valid = torch.cat([j * T + torch.arange(p.length) for j, p in enumerate(chosen)]).to(device)
+            values.append(o.reshape(-1, *o.shape[2:]).index_select(0, valid))
+            rows.append(torch.cat([torch.arange(p.local_start, p.local_start + p.length) for p in chosen]))
+            finals.append(s)
+            order += bucket
+        back = torch.empty(len(order), dtype=torch.long)
+        back[torch.tensor(order)] = torch.arange(len(order))
+        return _Ran(torch.cat(rows).to(device), torch.cat(values), torch.cat(finals).index_select(0, back.to(device)))
 
-    def _take(self, pieces) -> list[torch.Tensor]:
-        """Each input's rows of `pieces`, ``[n, T, ...]`` (zeros past a piece's end)."""
+    def _index(self, pieces) -> tuple[torch.Tensor, int]:
+        """``[n T]`` local rows of `pieces`, right-padded with ``L`` (a zero row)."""
         T, L = max(p.length for p in pieces), self.rows[0].shape[0]
-        rows = torch.full((len(pieces), T), L, dtype=torch.long)
+        index = torch.full((len(pieces), T), L, dtype=torch.long)
         for j, p in enumerate(pieces):
-            rows[j, : p.length] = torch.arange(p.local_start, p.local_start + p.length)
-        rows = rows.to(self.rows[0].device).flatten()
-        return [torch.cat([x, x.new_zeros((1, *x.shape[1:]))]).index_select(0, rows).reshape(len(pieces), T, *x.shape[1:])
+            index[j, : p.length] = torch.arange(p.local_start, p.local_start + p.length)
+        return index.to(self.rows[0].device).flatten(), T
+
+    def _take(self, index: torch.Tensor, n: int, T: int) -> list[torch.Tensor]:
+        """Each input's rows at `index`, ``[n, T, ...]`` (zeros past a piece's end)."""
+        return [torch.cat([x, x.new_zeros((1, *x.shape[1:]))]).index_select(0, index).reshape(n, T, *x.shape[1:])
                 for x in self.rows]
 
 
-def _delta_rule_transition(q, k, v, g, beta, initial_state=None):
-    """The gated delta rule run with ``v = 0`` from the identity: its final state is the run's transition P."""
+def _delta_rule_transition_and_state(q, k, v, g, beta, initial_state=None):
+    """The gated delta rule run with values ``[0 | v]`` from ``[I | 0]``: the state's columns evolve
+    independently, so the final state is ``[P | B]`` (the run's transition, then its zero-start state)."""
     dk = k.shape[-1]
-    zero_v = q.new_zeros((*q.shape[:2], g.shape[-1], dk))
-    eye = torch.eye(dk, dtype=q.dtype, device=q.device).expand(q.shape[0], g.shape[-1], dk, dk).clone()
-    return chunked_gated_delta_rule(q, k, zero_v, g, beta, initial_state=eye)
+    values = torch.cat([v.new_zeros((*v.shape[:3], dk)), v], -1)
+    start = q.new_zeros((q.shape[0], g.shape[-1], dk, dk + v.shape[-1]))
+    start[..., :dk] = torch.eye(dk, dtype=q.dtype, device=q.device)
+    return chunked_gated_delta_rule(q, k, values, g, beta, initial_state=start)
 
 
 def _buckets(lengths: list[int]) -> list[list[int]]:

@@ -13,15 +13,12 @@ contributions; backward moves the same amounts again.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from ..exchange.base import Traffic
 from ..kernels.base import accumulate_dtype
-
-if TYPE_CHECKING:
-    from ..step.state import StepState
 
 KINDS = ("gated_delta", "mamba2", "conv")
 
@@ -99,8 +96,9 @@ def _both_ways(n: int) -> Traffic:
     return Traffic(n, n, n, n)
 
 
-def mixer_bytes(state: "StepState", shape: MixerShape, dtype: torch.dtype) -> MixerBytes:
-    """Bytes this rank moves for one mixer layer of `shape` in activations of `dtype`."""
+def mixer_bytes(state: Any, shape: MixerShape, dtype: torch.dtype) -> MixerBytes:
+    """Bytes this rank moves for one mixer layer of `shape` in activations of `dtype` (`state`: the
+    step's `StepState`; not imported here, which imports this module)."""
     size = torch.empty(0, dtype=dtype).element_size()
     state_size = torch.empty(0, dtype=accumulate_dtype(dtype)).element_size()
     W = state.world
