@@ -6,19 +6,22 @@ Note [Passing a recurrent state across ranks, in parallel]
 A gated delta rule keeps a state ``S [dk, dv]`` per head; each token updates it affinely,
 ``S <- a (I - b k k^T) S + b k v^T``, so a run of tokens maps its incoming state as
 ``S_out = P S_in + B``: ``B`` is the run's final state from zero, ``P [dk, dk]`` its
-transition (the run with ``v = 0`` from the identity). A document's tokens are cut into
-*pieces* (one rank's consecutive positions); in the balanced layout a document's pieces
-may alternate ranks. From the replicated geometry every rank knows every piece, so:
+transition. The state's columns evolve independently, so one run from ``[I | 0]`` with
+values ``[0 | v]`` gives ``[P_t | B_t]`` after every token t at once: its outputs are
+``[P_t^T q_t | o_t from zero]`` and its final state is ``[P | B]``. A document's tokens
+are cut into *pieces* (one rank's consecutive positions); in the balanced layout a
+document's pieces may alternate ranks. From the replicated geometry every rank knows
+every piece, so:
 
 1. every piece that starts a document runs from zero (its output is final; if the
-   document goes on, its final state ``B`` is kept); a middle piece also runs from zero
-   for ``B`` and once more for ``P``;
+   document goes on, its final state ``B`` is kept); every other piece runs once from
+   ``[I | 0]`` as above (about ``(dk + dv) / dv`` times the work of a plain run);
 2. one all-gather over the CP group carries ``(P, B)`` of every piece a later piece
    needs (O(heads x dk x (dk + dv)) per piece, whatever the document's length);
 3. each rank composes, for each of its pieces that continues a document, the incoming
    state ``S = P_j (... (P_2 B_1 + B_2) ...) + B_j`` over the pieces before it, in
-   position order, and runs that piece again from ``S`` (its output replaces the
-   zero-start one; a last piece runs only this way).
+   position order, and adds ``S^T (P_t^T q_t)`` to the zero-start outputs: one small
+   matmul per token, nothing rerun after the all-gather.
 
 No rank waits for another's recurrence (a prefix over pieces, not a pipeline over ranks);
 backward is autograd's, the all-gather's backward a reduce-scatter on every rank. Pieces
@@ -28,7 +31,7 @@ through the chunked kernels of chunked.py.
 
 Mamba2's scan (Nemotron-H, Falcon-H1, Bamba, Granite-4) is the same with a scalar
 transition: a head's state decays by ``exp(sum dt A)`` over a run, so ``(P, B)`` is one
-number and ``[P, N]`` per head, and a continuing piece is not rerun: its zero-start
+number and ``[P, N]`` per head, and a continuing piece runs plainly from zero: its
 output is corrected by ``exp(c_t) (C_t S)``, ``c`` the cumulative log-decay from the
 piece's start (`PieceSchedule.ssd`).
 """
@@ -123,16 +126,24 @@ class PieceSchedule:
             B = ran.finals.index_select(0, torch.tensor(kept, device=out.device))
             no_transition = B.new_zeros((*B.shape[:3], dk))  # a document's first piece: S_out = B
             sent = sent.index_copy(0, _slots([first[i] for i in kept], sent), torch.cat([no_transition, B], -1))
-        middle = [p for p in self.pieces if p.continues and not p.starts_document]
-        if middle:  # one pass from [I | 0] with values [0 | v]: its final state is [P | B]
-            sent = sent.index_copy(0, _slots(middle, sent), run(middle, rule=_delta_rule_transition_and_state).finals)
+        later = [p for p in self.pieces if not p.starts_document]
+        # one pass from [I | 0] with values [0 | v], before the all-gather: its outputs are
+        # [q^T P_t | o_zero_t] per token and its final state [P | B] (Note [Passing a recurrent state ...])
+        spread = run(later, rule=_delta_rule_transition_and_state)
+        middle = [i for i, p in enumerate(later) if p.continues]
+        if middle:
+            finals = spread.finals.index_select(0, torch.tensor(middle, device=out.device))
+            sent = sent.index_copy(0, _slots([later[i] for i in middle], sent), finals)
         # a rank with nothing to send still sends rows of its graph, so that every rank's backward
         # runs the all-gather's reduce-scatter (autograd skips a collective on an input without grad)
         sent = sent + 0.0 * v_LHD.reshape(-1)[:1].sum()
         gathered = AllGatherRows.apply(sent, self.group)  # [W * pad, Hv, dk, dk + dv]
-        later = [p for p in self.pieces if not p.starts_document]
         if later:
-            out = run(later, initial=[_incoming(p, gathered, self.pad) for p in later]).written(out)
+            parts = spread.values.split([later[i].length for i in spread.order])
+            entering = [_incoming(later[i], gathered, self.pad) for i in spread.order]
+            o = torch.cat([part[..., dk:] + torch.einsum("thk,hkv->thv", part[..., :dk], S)
+                           for part, S in zip(parts, entering)])
+            out = out.index_copy(0, spread.rows, o.to(out.dtype))
         return out + 0.0 * gathered.sum()  # every rank's backward joins the all-gather's reduce-scatter
 
     def ssd(self, x_LHP, dt_LH, A_H, B_LGN, C_LGN) -> torch.Tensor:
@@ -205,6 +216,7 @@ class _Ran:
     rows: torch.Tensor
     values: torch.Tensor
     finals: torch.Tensor
+    order: tuple[int, ...]  # the pieces' indices in the order of `rows` / `values`
 
     def written(self, out: torch.Tensor) -> torch.Tensor:
         """`out` with these rows replaced (one out-of-place index_copy: a backward linear in the rows)."""
@@ -238,7 +250,8 @@ class _PieceRunner:
             order += bucket
         back = torch.empty(len(order), dtype=torch.long)
         back[torch.tensor(order)] = torch.arange(len(order))
-        return _Ran(torch.cat(rows).to(device), torch.cat(values), torch.cat(finals).index_select(0, back.to(device)))
+        return _Ran(torch.cat(rows).to(device), torch.cat(values), torch.cat(finals).index_select(0, back.to(device)),
+                    tuple(order))
 
     def _index(self, pieces) -> tuple[torch.Tensor, int]:
         """``[n T]`` local rows of `pieces`, right-padded with ``L`` (a zero row)."""
