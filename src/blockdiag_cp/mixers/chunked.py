@@ -44,10 +44,13 @@ import torch
 
 from ..kernels.base import accumulate_dtype
 
+#: tokens per chunk of the chunked kernels (a shorter row uses the power of two that holds it)
+CHUNK = 64
+
 
 def chunked_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    initial_state: Optional[torch.Tensor] = None, chunk: int = 64,
+    initial_state: Optional[torch.Tensor] = None, chunk: int = CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over ``[B, T]`` rows (Note [The chunked gated delta rule]).
 
@@ -98,7 +101,7 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def chunked_ssd(
     x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-    initial_state: Optional[torch.Tensor] = None, chunk: int = 64,
+    initial_state: Optional[torch.Tensor] = None, chunk: int = CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mamba2's scan over ``[Bt, T]`` rows (Note [The chunked state-space scan (Mamba2)]).
 

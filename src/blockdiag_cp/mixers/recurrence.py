@@ -26,8 +26,8 @@ every piece, so:
 No rank waits for another's recurrence (a prefix over pieces, not a pipeline over ranks);
 backward is autograd's, the all-gather's backward a reduce-scatter on every rank. Pieces
 run batched, right-padded with ``g = 0`` and ``beta = 0`` (padding leaves the state as it
-is), in buckets of lengths within a factor of two (padding at most doubles the work),
-through the chunked kernels of chunked.py.
+is), in buckets that run the chunks each piece would run alone (`_buckets`), through the
+chunked kernels of chunked.py.
 
 Mamba2's scan (Nemotron-H, Falcon-H1, Bamba, Granite-4) is the same with a scalar
 transition: a head's state decays by ``exp(sum dt A)`` over a run, so ``(P, B)`` is one
@@ -46,7 +46,7 @@ import torch
 from ..kernels.base import accumulate_dtype
 from ..parallel.collectives import AllGatherRows
 from ..plan.geometry import StepGeometry
-from .chunked import chunked_gated_delta_rule, chunked_ssd
+from .chunked import CHUNK, chunked_gated_delta_rule, chunked_ssd
 
 
 @dataclass(frozen=True)
@@ -278,8 +278,11 @@ def _delta_rule_transition_and_state(q, k, v, g, beta, initial_state=None):
 
 
 def _buckets(lengths: list[int]) -> list[list[int]]:
-    """Indices grouped so that each group's lengths are within a factor of two (by bit length)."""
-    groups: dict[int, list[int]] = {}
+    """Indices grouped so that a batched run does the chunks each piece would run alone: pieces up
+    to `CHUNK` tokens by their power of two (the chunk the kernel picks), longer ones by their
+    number of chunks."""
+    groups: dict[tuple[int, int], list[int]] = {}
     for i, n in enumerate(lengths):
-        groups.setdefault(max(n, 1).bit_length(), []).append(i)
+        key = (0, max(n - 1, 0).bit_length()) if n <= CHUNK else (1, -(-n // CHUNK))
+        groups.setdefault(key, []).append(i)
     return [groups[key] for key in sorted(groups)]
