@@ -308,3 +308,18 @@ def test_mixer_bytes_do_not_grow_with_the_documents_and_are_far_below_head_paral
             assert got.state.sent_fwd == 4 * 8 * 16 * 4, name
             assert got.head_parallel.sent_fwd == 1000 * (64 + 8 + 32) * 4, name  # (W - 1) / W of 2000 rows
             assert got.sent == 2 * (halo_rows * 64 * 4 + 4 * 8 * 16 * 4)
+
+
+@pytest.mark.parametrize("family", ["lfm2", "nemotron_h"])
+def test_a_left_padded_prompt_generates_as_without_the_library(family):
+    """One prompt with padding and a cache is the layer's own forward, which fills the cache."""
+    model, plain = build(family), build(family, "sdpa")
+    prepare_model(model)
+    ids = packed_row()[0].clamp(min=1)[:, :12]
+    ids[:, :3] = 0  # pad_token_id
+    mask = (ids != 0).long()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mine = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+        theirs = plain.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    assert torch.equal(mine, theirs)

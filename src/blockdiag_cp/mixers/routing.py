@@ -68,12 +68,15 @@ class RowMarks(NamedTuple):
     cu_seq_lens_q: Optional[torch.Tensor]
 
 
-def per_document_state(module: torch.nn.Module, hidden_states: torch.Tensor, attention_mask: Any, kwargs: dict):
+def per_document_state(module: torch.nn.Module, hidden_states: torch.Tensor, attention_mask: Any, kwargs: dict,
+                       cache: Any = None):
     """The `StepState` to run `module` per document with, or None (run its own forward).
 
-    Inside a step: the step's. Outside: a world-1 state for one row of several documents or
-    with padding (`hidden_states [1, S, E]`; documents from the layer's `RowMarks`, the mixer's
-    ``cu_seq_lens_q`` and a ``[1, S]`` `attention_mask`), planned once per forward.
+    Inside a step: the step's. Outside: a world-1 state for one row of several documents, or of
+    one document with padding when no `cache` is given (`hidden_states [1, S, E]`; documents
+    from the layer's `RowMarks`, the mixer's ``cu_seq_lens_q`` and a ``[1, S]``
+    `attention_mask`), planned once per forward. With a cache, one (left-padded) prompt is the
+    layer's own forward, which fills the cache for decoding.
     """
     state = current_step()
     if state is not None or hidden_states.shape[0] != 1:
@@ -92,11 +95,13 @@ def per_document_state(module: torch.nn.Module, hidden_states: torch.Tensor, att
 
         found = {"position_ids": marks.position_ids, "cu_seq_lens_q": cu, "attention_mask": mask}
         doc_ids = resolve_doc_ids({k: v for k, v in found.items() if v is not None}, S, device, 1)[0]
-        if bool((doc_ids == doc_ids[0]).all()) and int(doc_ids[0]) != 0:
-            return None  # one document: the layer's own forward is exact
+        documents = int((doc_ids.unique() != 0).sum())
+        if documents <= 1 and (cached or bool((doc_ids != 0).all())):
+            return None  # one document: the layer's own forward is exact (and fills a cache)
         return build_step_state(doc_ids, 1, 0, None, CPConfig(), device)
 
-    return STEP_SLOT.implicit_state((marks.position_ids, cu, mask), ("mixer rows", S, device), plan)
+    cached = cache is not None
+    return STEP_SLOT.implicit_state((marks.position_ids, cu, mask), ("mixer rows", S, device, cached), plan)
 
 
 def _route(own_name: str):
@@ -105,7 +110,7 @@ def _route(own_name: str):
     def wrap(per_document: Callable) -> Callable:
         @functools.wraps(per_document)
         def forward(module, hidden_states, cache=None, attention_mask=None, **kwargs):
-            state = per_document_state(module, hidden_states, attention_mask, kwargs)
+            state = per_document_state(module, hidden_states, attention_mask, kwargs, cache)
             if state is None:
                 return getattr(module, own_name)(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
             return per_document(module, state, hidden_states)
