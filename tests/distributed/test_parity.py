@@ -74,6 +74,7 @@ def test_every_exchange_routes_as_it_should(world):
     assert ("auto", "halo") in ran and ("halo", "halo") in ran  # both branches are exercised
 
 
+@pytest.mark.slow  # the world-4 parity grid (4 ranks on 2 cores): the full suite runs it
 def test_halo_with_document_over_three_ranks_falls_back_exactly():
     per_rank = results_for(4)
     spanning = [r for results in per_rank for r in results
