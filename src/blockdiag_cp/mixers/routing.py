@@ -54,9 +54,8 @@ ROW_MARKS = "blockdiag_cp_row_marks"
 LENDS_MARKS = "blockdiag_cp_lends_row_marks"
 #: attribute of a prepared model: the decoder layers that lend their mixers `RowMarks`
 LENDERS = "blockdiag_cp_lenders"
-#: attribute of those layers while the model runs outside a step: whether the call is one packed
-#: row by its ``position_ids``
-PACKED_CALL = "blockdiag_cp_packed_call"
+#: attribute of those layers while the model runs outside a step: the model call's `RowMarks`
+MODEL_CALL = "blockdiag_cp_model_call"
 #: the layer kind the size-only detection reports (a config without a layer-type list: Bamba, Falcon-H1)
 STATE_SPACE = "state_space"
 
@@ -104,24 +103,23 @@ def per_document_state(module: torch.nn.Module, hidden_states: torch.Tensor, att
     return STEP_SLOT.implicit_state((marks.position_ids, cu, mask), ("mixer rows", S, device, cached), plan)
 
 
-def _route(own_name: str):
-    """Decorator: `forward(module, state, hidden_states)` runs when `per_document_state` gives a state,
-    else the instance's own forward (kept as `own_name`)."""
-    def wrap(per_document: Callable) -> Callable:
-        @functools.wraps(per_document)
-        def forward(module, hidden_states, cache=None, attention_mask=None, **kwargs):
-            state = per_document_state(module, hidden_states, attention_mask, kwargs, cache)
-            if state is None:
-                return getattr(module, own_name)(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-            return per_document(module, state, hidden_states)
-        return forward
-    return wrap
-
-
+#: attribute set on a routed mixer instance: its own (transformers') forward
 OWN_FORWARD = "blockdiag_cp_own_forward"
 
 
-@_route(OWN_FORWARD)
+def _route(per_document: Callable) -> Callable:
+    """Decorator: `per_document(module, state, hidden_states)` runs when `per_document_state` gives a
+    state, else the instance's own forward (kept as `OWN_FORWARD`)."""
+    @functools.wraps(per_document)
+    def forward(module, hidden_states, cache=None, attention_mask=None, **kwargs):
+        state = per_document_state(module, hidden_states, attention_mask, kwargs, cache)
+        if state is None:
+            return getattr(module, OWN_FORWARD)(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        return per_document(module, state, hidden_states)
+    return forward
+
+
+@_route
 def short_conv_forward(module: torch.nn.Module, state, hidden_states: torch.Tensor) -> torch.Tensor:
     """LFM2's ``ShortConv`` per document: ``y = out_proj(C * conv(B * x))``, ``B, C, x = in_proj(h)``;
     ``hidden_states [1, L, E]``."""
@@ -130,7 +128,7 @@ def short_conv_forward(module: torch.nn.Module, state, hidden_states: torch.Tens
     return module.out_proj(C * conv).unsqueeze(0)
 
 
-@_route(OWN_FORWARD)
+@_route
 def qwen3_next_delta_forward(module: torch.nn.Module, state, hidden_states: torch.Tensor) -> torch.Tensor:
     """Qwen3-Next's Gated DeltaNet per document."""
     q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(hidden_states),
@@ -139,7 +137,7 @@ def qwen3_next_delta_forward(module: torch.nn.Module, state, hidden_states: torc
     return _gated_delta(module, state, mixed, z[0], b[0], a[0])
 
 
-@_route(OWN_FORWARD)
+@_route
 def qwen3_5_delta_forward(module: torch.nn.Module, state, hidden_states: torch.Tensor) -> torch.Tensor:
     """Qwen3.5's Gated DeltaNet per document."""
     h = hidden_states[0]
@@ -164,7 +162,7 @@ def _gated_delta(module, state, mixed_LC, z_LHD, b_LH, a_LH) -> torch.Tensor:
     return module.out_proj(core.reshape(1, L, -1))
 
 
-@_route(OWN_FORWARD)
+@_route
 def mamba2_forward(module: torch.nn.Module, state, hidden_states: torch.Tensor) -> torch.Tensor:
     """A Mamba2 mixer per document (Nemotron-H, Bamba, Granite-4 hybrid; Falcon-H1 with its
     multipliers and optional norm): in_proj -> (gate, xBC, dt); conv and activation per document;
@@ -251,12 +249,12 @@ def _hand_marks_from(layer: torch.nn.Module) -> None:
 
 
 def _lend_marks(layer: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    call = inspect.signature(layer.forward).bind_partial(*args, **kwargs).arguments
-    extra = call.get("kwargs") if isinstance(call.get("kwargs"), dict) else {}
-    position_ids = call.get("position_ids", extra.get("position_ids"))
-    marks = RowMarks(position_ids if isinstance(position_ids, torch.Tensor) else None,
-                     call.get("cu_seq_lens_q", extra.get("cu_seq_lens_q")))
-    if marks == (None, None) and getattr(layer, PACKED_CALL, False) and current_step() is None:
+    if len(args) > 1:  # positional arguments past hidden_states: name them (transformers passes keywords)
+        kwargs = inspect.signature(layer.forward).bind_partial(*args, **kwargs).arguments
+        kwargs = {**kwargs.get("kwargs", {}), **kwargs} if isinstance(kwargs.get("kwargs"), dict) else kwargs
+    position_ids = kwargs.get("position_ids")
+    marks = RowMarks(position_ids if isinstance(position_ids, torch.Tensor) else None, kwargs.get("cu_seq_lens_q"))
+    if marks == (None, None) and current_step() is None and _packed(getattr(layer, MODEL_CALL, None)):
         raise ValueError(
             f"blockdiag-cp: this model was called on a packed row (position_ids that restart), but its "
             f"{type(layer).__name__} is not handed position_ids, so neither its attention nor its token mixer "
@@ -265,6 +263,14 @@ def _lend_marks(layer: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             "world 1 for one process)."
         )
     _set_marks(layer, marks)
+
+
+def _packed(call: Optional[RowMarks]) -> bool:
+    """Whether the model's call marks one packed row by its ``position_ids`` alone."""
+    if call is None or call.cu_seq_lens_q is not None or not isinstance(call.position_ids, torch.Tensor):
+        return False
+    ids = call.position_ids
+    return ids.dim() == 2 and ids.shape[0] == 1 and bool(position_breaks(ids).any())
 
 
 def _take_marks_back(layer: torch.nn.Module, *_: Any) -> None:
@@ -279,19 +285,17 @@ def _set_marks(layer: torch.nn.Module, marks: Optional[RowMarks]) -> None:
 
 def _note_the_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook of a prepared model. Inside a step: the step learns which mixer kinds the
-    model routes. Outside: whether the call is one packed row by its ``position_ids``
-    (`PACKED_CALL`), so that a decoder layer that is not handed them can refuse."""
+    model routes. Outside: its lending layers keep the call's marks (`MODEL_CALL`), so that one
+    not handed them can refuse a packed row (checked only there: no host sync otherwise)."""
     state = current_step()
     if state is not None:
         state.call_notes.record_routed_mixers(getattr(model, PREPARED_KINDS))
         return
-    position_ids = kwargs.get("position_ids")
-    packed = (isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 and position_ids.shape[0] == 1
-              and kwargs.get("cu_seq_lens_q") is None and bool(position_breaks(position_ids).any()))
+    call = RowMarks(kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"))
     for layer in getattr(model, LENDERS, ()):
-        setattr(layer, PACKED_CALL, packed)
+        setattr(layer, MODEL_CALL, call)
 
 
 def _end_the_call(model: torch.nn.Module, *_: Any) -> None:
     for layer in getattr(model, LENDERS, ()):
-        setattr(layer, PACKED_CALL, False)
+        setattr(layer, MODEL_CALL, None)
