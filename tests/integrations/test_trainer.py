@@ -5,7 +5,6 @@ the runs without CP are the same stack in this process, on the batches of every 
 replica (a single process sees exactly what the replicas see together).
 """
 
-import importlib.util
 import json
 import pathlib
 import re
@@ -18,16 +17,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-EXAMPLES = ROOT / "examples"
+from examples_module import EXAMPLES, ROOT, example  # noqa: E402
 
-
-def example(name):
-    sys.path.insert(0, str(EXAMPLES))
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def torchrun(nproc, script, *args, timeout=300, check=True):

@@ -4,9 +4,7 @@ Each refusal stands where the run would otherwise be silently different from the
 without CP, hang, or crash deep inside a trainer.
 """
 
-import importlib.util
 import os
-import pathlib
 import subprocess
 import sys
 import warnings
@@ -17,18 +15,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from examples_module import EXAMPLES, ROOT, example  # noqa: E402
+
 from blockdiag_cp.trainer import BlockDiagCPMixin, BlockDiagCPTrainer, _refuse_uneven_replicas  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-EXAMPLES = ROOT / "examples"
-
-
-def example(name):
-    sys.path.insert(0, str(EXAMPLES))
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

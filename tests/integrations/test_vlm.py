@@ -225,17 +225,13 @@ def test_placeholder_and_grid_mismatches_are_clear_errors():
 @pytest.mark.slow
 def test_vlm_example_under_torchrun_equals_the_single_process_run():
     """examples/train_vlm.py at dp 2 x cp 2: the logged losses are the single-process run's."""
-    import importlib.util
-    import pathlib
     import re
     import subprocess
     import sys
 
-    root = pathlib.Path(__file__).resolve().parents[2]
-    sys.path.insert(0, str(root / "examples"))  # the examples share launch.py
-    spec = importlib.util.spec_from_file_location("train_vlm", root / "examples" / "train_vlm.py")
-    train_vlm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_vlm)
+    from examples_module import ROOT as root, example
+
+    train_vlm = example("train_vlm")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            str(root / "examples" / "train_vlm.py"), "--dp", "2", "--cp", "2", "--steps", "2"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=root)
