@@ -325,3 +325,13 @@ def test_a_left_padded_prompt_generates_as_without_the_library(family):
         mine = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
         theirs = plain.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
     assert torch.equal(mine, theirs)
+
+
+def test_continuing_from_a_cache_a_packed_row_filled_is_refused():
+    model = build("nemotron_h")
+    prepare_model(model)
+    ids, positions = packed_row()
+    out = model(input_ids=ids, position_ids=positions, use_cache=True)
+    with pytest.raises(ValueError, match="packed row of several documents"):
+        model(input_ids=ids[:, -1:], position_ids=positions[:, -1:] + 1, past_key_values=out.past_key_values,
+              use_cache=True)

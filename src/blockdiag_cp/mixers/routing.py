@@ -22,8 +22,9 @@ can replace, and they never see ``position_ids``. So `prepare_model` installs, p
   attention layers read before refusing a packed row.
 
 A packed row's forward does not fill a cache's convolution or recurrent states (continuing
-several documents from one cache has no meaning); a single document's forward is the
-layer's own and fills it as usual.
+several documents from one cache has no meaning): the cache is marked, and a later call
+that would continue from it is a `ValueError`. A single document's forward is the layer's
+own and fills the cache as usual.
 
 Supported (`ROUTED_MIXERS`): LFM2's short convolutions; the Gated DeltaNet of Qwen3-Next
 and Qwen3.5 (conv, then the gated delta rule); the Mamba2 mixers of Nemotron-H, Bamba,
@@ -103,6 +104,8 @@ def per_document_state(module: torch.nn.Module, hidden_states: torch.Tensor, att
     return STEP_SLOT.implicit_state((marks.position_ids, cu, mask), ("mixer rows", S, device, cached), plan)
 
 
+#: attribute set on a cache a packed row's forward ran with: its mixer states belong to no document
+PACKED_CACHE = "blockdiag_cp_packed_row"
 #: attribute set on a routed mixer instance: its own (transformers') forward
 OWN_FORWARD = "blockdiag_cp_own_forward"
 
@@ -114,7 +117,15 @@ def _route(per_document: Callable) -> Callable:
     def forward(module, hidden_states, cache=None, attention_mask=None, **kwargs):
         state = per_document_state(module, hidden_states, attention_mask, kwargs, cache)
         if state is None:
+            if getattr(cache, PACKED_CACHE, False):
+                raise ValueError(
+                    f"blockdiag-cp: this cache was filled by a forward over a packed row of several documents; "
+                    f"its {type(module).__name__} holds no state of any one of them, so continuing from it would "
+                    "be silently wrong. Start a new cache (or run the document alone) before generating."
+                )
             return getattr(module, OWN_FORWARD)(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        if cache is not None:
+            setattr(cache, PACKED_CACHE, True)  # its mixer states were not filled (Note [Routed token mixers])
         return per_document(module, state, hidden_states)
     return forward
 
