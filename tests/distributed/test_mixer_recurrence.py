@@ -120,7 +120,6 @@ def recurrence_worker(rank, world, rule_name, segments, layout):
 
 @pytest.mark.parametrize("rule_name", list(RULES))
 @pytest.mark.parametrize("world, layout", [(1, "contiguous"), (2, "contiguous"), (2, "balanced"), (3, "balanced"),
-                                           pytest.param(1, "balanced", marks=pytest.mark.slow),
                                            pytest.param(3, "contiguous", marks=pytest.mark.slow)])
 def test_each_document_recurs_alone_across_ranks(world, layout, rule_name, rank_pools):
     rule = RULES[rule_name]

@@ -176,10 +176,6 @@ def assert_both_references(result, family):
     assert_matches(result, each_document_alone(family, through_the_library=True), FAMILIES[family][4])
 
 
-def across_ranks(family):
-    return family if family in FAST_ACROSS_RANKS else pytest.param(family, marks=pytest.mark.slow)
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_prepared_hybrid_in_a_one_process_step_equals_each_document_alone(family):
     assert_both_references(step_worker(0, 1, "contiguous", False, family), family)
@@ -204,9 +200,15 @@ def test_a_model_whose_layers_get_no_position_ids_refuses_a_packed_row_marked_on
     model(input_ids=ids[:, :14], position_ids=torch.arange(14)[None], use_cache=False)  # one document: fine
 
 
-@pytest.mark.parametrize("family", [across_ranks(f) for f in sorted(FAMILIES)])
-@pytest.mark.parametrize("world, layout, checkpointing", [(2, "contiguous", False),
-                                                          pytest.param(3, "balanced", True, marks=pytest.mark.slow)])
+#: every family at cp 3 balanced with checkpointing (pieces alternate ranks, documents cross two
+#: boundaries); cp 2 contiguous for one family per mixer kind
+ACROSS_RANKS = [(family, 3, "balanced", True) for family in sorted(FAMILIES)] + [
+    (family, 2, "contiguous", False) for family in ("lfm2", "qwen3_5", "nemotron_h")]
+
+
+@pytest.mark.parametrize("family, world, layout, checkpointing", [
+    case if case[0] in FAST_ACROSS_RANKS and case[1] == 2 else pytest.param(*case, marks=pytest.mark.slow)
+    for case in ACROSS_RANKS])
 def test_a_prepared_hybrid_under_cp_equals_each_document_alone(family, world, layout, checkpointing, rank_pools):
     own, alone = each_document_alone(family), each_document_alone(family, through_the_library=True)
     for result in rank_pools(world).run(step_worker, layout, checkpointing, family):
