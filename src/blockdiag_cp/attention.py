@@ -70,11 +70,23 @@ def cp_blockdiag_sdpa(
             "typo?). It takes attn_mask, dropout_p, is_causal, scale, enable_gqa, sliding_window, softcap, sinks.",
             stacklevel=2,
         )
-    state = STEP_SLOT.current()
     features = LayerFeatures(sliding_window, softcap, sinks)
+    if torch.compiler.is_compiling():  # Note [One opaque op] in opaque.py
+        return _traced_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, features)
+    state = STEP_SLOT.current()
     if state is None:
         return _stock_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, features)
     query, key, value = autocast_inputs(query, key, value)
+    return attend_active_step(state, query, key, value, dropout_p, scale, enable_gqa, features)
+
+
+def attend_active_step(
+    state: StepState, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float,
+    scale: Optional[float], enable_gqa: bool, features: "LayerFeatures",
+) -> torch.Tensor:
+    """`cp_blockdiag_sdpa` inside the step `state` (the slot's active one), its inputs already in the
+    autocast dtype: the ranks agree on a signature's first call, the call is noted for
+    Note [Late recompute], then `attend_in_step`."""
     signature = call_signature(query, key, value, features)
     if STEP_SLOT.needs_agreement(signature):
         problem = call_problem(state, query, key, value, enable_gqa) or features.problem(query)
@@ -86,18 +98,41 @@ def cp_blockdiag_sdpa(
                           features=features)
 
 
+def _traced_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, features) -> torch.Tensor:
+    """`cp_blockdiag_sdpa` while torch.compile traces: one opaque op wherever a step is or could be
+    involved (Note [One opaque op]); stock SDPA, traced, where neither."""
+    from .opaque import opaque_attention
+
+    window, softcap, sinks = features.sliding_window, features.softcap, features.sinks
+    if STEP_SLOT.in_step:
+        query, key, value = autocast_inputs(query, key, value)
+        return opaque_attention("step", query, key, value, sinks=sinks, scale=scale, dropout_p=dropout_p,
+                                sliding_window=window, softcap=softcap, enable_gqa=enable_gqa)
+    _refuse_features_outside_a_step(features)
+    if attn_mask is None and query.shape[0] == 1 and key.shape[-2] == query.shape[-2]:  # could be a late recompute
+        query, key, value = autocast_inputs(query, key, value)
+        return opaque_attention("sdpa", query, key, value, scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa,
+                                is_causal=is_causal)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
 def _stock_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, features) -> torch.Tensor:
     """Outside a step: `F.scaled_dot_product_attention` itself (it has no window, softcap or sinks)."""
     refuse_late_recompute(query, key, value)
+    _refuse_features_outside_a_step(features)
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        enable_gqa=enable_gqa,
+    )
+
+
+def _refuse_features_outside_a_step(features: "LayerFeatures") -> None:
     if features != LayerFeatures():
         raise ValueError(
             "sliding_window, softcap and sinks work inside a block-diagonal CP step (or through "
             "attn_implementation='blockdiag_cp'); outside one, cp_blockdiag_sdpa is stock SDPA, which has none"
         )
-    return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-        enable_gqa=enable_gqa,
-    )
 
 
 def attend_in_step(

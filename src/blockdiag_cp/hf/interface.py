@@ -35,6 +35,7 @@ from ..config import CPConfig
 from ..step.doc_ids import block_causal_mask, resolve_doc_ids
 from ..mixers import refuse_unrouted_mixers, unrouted_config_mixers
 from ..mixers.routing import PREPARED_KINDS
+from ..opaque import opaque_attention
 from ..step.slot import STEP_SLOT, current_step
 from ..step.state import StepState, build_step_state
 
@@ -87,23 +88,42 @@ def _check_mask_is_causal_within_documents(mask_SS: torch.Tensor, doc_ids_S: tor
         )
 
 
-def _row_state(query: torch.Tensor, key: torch.Tensor, attention_mask, window, kwargs) -> Optional[StepState]:
-    """The one-rank step state of a single row outside a step (its packed documents, or one),
-    planned once per forward; None unless this is one row whose keys are exactly its queries
-    (``query [1, H, S, D]``, ``key [1, Hk, S, D]``, a mask None or ``[1, 1, S, S]``): batches of
-    several rows and caches holding earlier tokens are SDPA's."""
+def _one_row(query: torch.Tensor, key: torch.Tensor, attention_mask: Any) -> bool:
+    """Whether this call outside a step is one row whose keys are exactly its queries
+    (``query [1, H, S, D]``, ``key [1, Hk, S, D]``, a mask None or ``[1, 1, S, S]``): shapes only.
+    Batches of several rows and caches holding earlier tokens are SDPA's."""
     S = query.shape[2]
     if query.shape[0] != 1 or key.shape[2] != S:
-        return None
-    if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor) and attention_mask.shape == (1, 1, S, S)):
-        return None
-    position_ids, cu_seqlens = kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q")
+        return False
+    return attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.shape == (1, 1, S, S))
+
+
+def _row_state(query: torch.Tensor, attention_mask, position_ids, cu_seqlens, window) -> StepState:
+    """The one-rank step state of a single row outside a step (its packed documents, or one),
+    planned once per forward (`StepSlot.implicit_state`: the first layer plans, the others reuse it)."""
+    S = query.shape[2]
 
     def plan() -> StepState:
         doc_ids = _row_doc_ids(S, query.device, position_ids, cu_seqlens, attention_mask, window)
         return build_step_state(doc_ids, 1, 0, None, CPConfig(), query.device)
 
     return STEP_SLOT.implicit_state((position_ids, cu_seqlens, attention_mask), (S, query.device, window), plan)
+
+
+def attend_row(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Optional[torch.Tensor],
+    position_ids: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], dropout: float,
+    scaling: Optional[float], features: LayerFeatures, module: Optional[torch.nn.Module] = None,
+) -> torch.Tensor:
+    """Per-document attention of one row outside a step (`_one_row`): ``[1, H, S, D]`` -> ``[1, H, S, D]``.
+    With `module`, a model whose token mixers are not routed is refused on a row of several documents."""
+    refuse_late_recompute(query, key, value)
+    local = _row_state(query, attention_mask, position_ids, cu_seqlens, features.sliding_window)
+    if module is not None:
+        _refuse_unrouted_on_packed_row(module, local)
+    query, key, value = autocast_inputs(query, key, value)
+    return attend_in_step(local, query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=True,
+                          features=features)
 
 
 def blockdiag_cp_attention(
@@ -120,37 +140,55 @@ def blockdiag_cp_attention(
     -> ``([B, S, H, D], None)``.
 
     Inside a step: block-diagonal CP attention. Outside: one row whose keys are its queries
-    (``_row_state``) gets per-document attention; anything else is transformers' own
+    (`_one_row`) gets per-document attention (`attend_row`); anything else is transformers' own
     ``sdpa_attention_forward`` with the mask transformers built (`attention_mask`, from
-    ``blockdiag_cp_mask``), softcap and sinks refused.
+    ``blockdiag_cp_mask``), softcap and sinks refused. Under ``torch.compile`` the first two
+    are one opaque op each (Note [One opaque op] in opaque.py); every decision here reads
+    shapes, the module and `StepSlot.in_step` only, so it traces without a break.
     """
-    state = current_step()
-    if state is not None:
-        refuse_unrouted_mixers(getattr(module, "config", None), IN_STEP, state.call_notes.routed_mixers)
+    features = layer_features(module, kwargs)
+    if STEP_SLOT.in_step:
+        config = getattr(module, "config", None)
+        refuse_unrouted_mixers(config, IN_STEP, getattr(module, PREPARED_KINDS, frozenset()))
         if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
             raise ValueError(
                 f"{type(module).__name__} is not causal (e.g. a vision encoder); inside a CP step blockdiag_cp "
                 "computes causal attention per document. Run non-causal modules before sharding, or give them "
                 "another attn_implementation."
             )
-        features = layer_features(module, kwargs)
         out = cp_blockdiag_sdpa(query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=True,
                                 sliding_window=features.sliding_window, softcap=features.softcap, sinks=features.sinks)
         return out.transpose(1, 2).contiguous(), None
-    refuse_late_recompute(query, key, value)
-    features = layer_features(module, kwargs)
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
-    local = _row_state(query, key, attention_mask, features.sliding_window, kwargs) if causal else None
-    if local is not None:
-        _refuse_unrouted_on_packed_row(module, local)
-        query, key, value = autocast_inputs(query, key, value)
-        out = attend_in_step(local, query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=True,
-                             features=features)
+    if causal and _one_row(query, key, attention_mask):
+        out = _attend_one_row(module, query, key, value, attention_mask, dropout, scaling, features, kwargs)
         return out.transpose(1, 2).contiguous(), None
+    if not torch.compiler.is_compiling():
+        refuse_late_recompute(query, key, value)
     _refuse_beyond_sdpa(module, kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   **kwargs)
+
+
+def _attend_one_row(module, query, key, value, attention_mask, dropout, scaling, features, kwargs) -> torch.Tensor:
+    """`attend_row`, or under torch.compile its opaque op (a model with unrouted token mixers, which
+    must count the row's documents on the host, runs it eagerly: a graph break, not a silent result)."""
+    position_ids, cu_seqlens = kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q")
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape != (1, query.shape[2]):
+        position_ids = None
+    if not torch.compiler.is_compiling():
+        return attend_row(query, key, value, attention_mask, position_ids, cu_seqlens, dropout, scaling, features, module)
+    if unrouted_config_mixers(getattr(module, "config", None), getattr(module, PREPARED_KINDS, frozenset())):
+        return _attend_row_eagerly(query, key, value, attention_mask, position_ids, cu_seqlens, dropout, scaling,
+                                   features, module)
+    query, key, value = autocast_inputs(query, key, value)
+    return opaque_attention("row", query, key, value, sinks=features.sinks, position_ids=position_ids,
+                            cu_seq_lens=cu_seqlens, attn_mask=attention_mask, scale=scaling, dropout_p=dropout,
+                            sliding_window=features.sliding_window, softcap=features.softcap, enable_gqa=True)
+
+
+_attend_row_eagerly = torch.compiler.disable(attend_row)
 
 
 def _refuse_unrouted_on_packed_row(module: torch.nn.Module, local: StepState) -> None:
@@ -184,15 +222,23 @@ def blockdiag_cp_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
     attention derives its documents itself. Otherwise exactly ``sdpa_mask(*args, **kwargs)``
     (a ``[B, 1, q_length, kv_length]`` boolean mask, or None where SDPA's ``is_causal`` does).
     """
-    state = current_step()
-    if state is not None:
-        refuse_unrouted_mixers(kwargs.get("config"), IN_STEP, state.call_notes.routed_mixers)
+    if STEP_SLOT.in_step:
+        config = kwargs.get("config")
+        if unrouted_config_mixers(config):  # which kinds the running model routes: the step knows
+            _refuse_unrouted_in_step(config)
         return None
-    call = _SDPA_MASK_SIGNATURE.bind(*args, **kwargs)
-    call.apply_defaults()
-    if _may_be_packed_row(call.arguments):
+    arguments = kwargs if not args else _SDPA_MASK_SIGNATURE.bind(*args, **kwargs).arguments
+    if _may_be_packed_row(arguments):
         return None
     return sdpa_mask(*args, **kwargs)
+
+
+@torch.compiler.disable
+def _refuse_unrouted_in_step(config: Any) -> None:
+    """The in-step refusal for a config that declares token mixers, against the kinds the running model
+    routes (`CallNotes.routed_mixers`); read from the step, so not traced (hybrid models only)."""
+    state = current_step()
+    refuse_unrouted_mixers(config, IN_STEP, frozenset() if state is None else state.call_notes.routed_mixers)
 
 
 def _may_be_packed_row(call: dict[str, Any]) -> bool:

@@ -301,8 +301,9 @@ def _shard_batch(
         dim = _seq_dim(key, t) if given_dim is None else given_dim
         pad_value = padding_token_id if fill == "pad_token" else fill
         padded = _pad(t, dim, plan.padded_len, 0 if t.is_floating_point() else pad_value)
-        if start is not None:
-            batch[key] = padded.narrow(dim, start, plan.local_len)
+        if start is not None:  # a copy, as a gathered shard is: the same strides for every row (a compiled
+            # model guards on strides, even of size-1 dimensions, which .contiguous() leaves as they are)
+            batch[key] = padded.narrow(dim, start, plan.local_len).clone(memory_format=torch.contiguous_format)
         else:
             batch[key] = padded.index_select(dim, positions.to(t.device))
 

@@ -14,7 +14,13 @@ lock. It is the only module-level object that changes, and it holds:
   layer of that step may still be recomputed late (Note [Late recompute]);
 - one cached `StepState` for a packed row attended outside a step (the transformers
   integration plans once per forward, not once per layer); it is dropped as soon as
-  the tensor it was derived from is freed.
+  the tensor it was derived from is freed;
+- the autograd graphs of compiled attention calls until their backward runs
+  (`KeptGraphs`, Note [One opaque op] in opaque.py).
+
+`in_step` is a plain bool, read without the lock: it is what ``torch.compile`` guards on
+(a compiled function has one graph for inside steps and one for outside), where a lock
+or the state object itself (new every step) would break the graph or recompile it.
 
 Note [Late recompute]
 ---------------------
@@ -38,6 +44,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Hashable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
+
+from .kept import KeptGraphs
 
 if TYPE_CHECKING:
     from .state import StepState
@@ -107,6 +115,8 @@ class StepSlot:
         self._ended: Optional[EndedStep] = None
         self._next_id = 0
         self._implicit: dict[tuple, Optional["StepState"]] = {}
+        self.in_step = False  # written under the lock, read without it (see the module docstring)
+        self.kept = KeptGraphs()
 
     def current(self) -> Optional["StepState"]:
         with self._lock:
@@ -124,6 +134,7 @@ class StepSlot:
             if self._active is None:
                 self._next_id += 1
                 self._active, self._ended = _ActiveStep(state, self._next_id), None
+                self.in_step = True
             else:
                 self._active.depth += 1
         try:
@@ -138,6 +149,7 @@ class StepSlot:
         if active.depth:
             return
         self._active = None  # the step's tensors go with the state
+        self.in_step = False
         if active.calls and not active.backward_seen:
             self._ended = EndedStep(active.step_id, frozenset(active.calls))
 

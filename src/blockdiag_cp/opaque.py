@@ -1,0 +1,200 @@
+"""The attention as one opaque op, for ``torch.compile`` (Note [One opaque op]).
+
+Note [One opaque op]
+--------------------
+A CP attention call does host work that a compiler must not trace: it finds the active
+step (under the slot's lock), runs the ranks-agree all-gather on a step's first call,
+builds point-to-point ops, and reads routing and call tables that change with every row.
+So while dynamo traces, the attention is one custom op, ``blockdiag_cp::attention``
+(`torch.library`). The graph holds one opaque call per layer; its fake implementation
+gives the output's shape (the queries'), and at run time the op runs the eager attention,
+finding the active step *then*. Nothing it receives depends on the row (tensors, the
+layer's scale, window, softcap and dropout), so a new row never recompiles it. The only
+Python state the traced code reads is `StepSlot.in_step`, a plain bool: a function
+compiled inside and outside steps has one graph for each.
+
+Three calls share the op (`call`):
+
+    step   inside a step: the active step's CP attention (attention.attend_active_step)
+    row    outside a step, one packed row through transformers (hf.interface.attend_row)
+    sdpa   outside a step, a cp_blockdiag_sdpa call that could be a CP layer's late
+           recompute (one row, keys = queries, no mask): checked, then stock SDPA
+
+Backward. The op's real forward builds the eager attention's own autograd graph on
+detached inputs (the exchange's collectives and the kernel, exactly as without
+compile: the same saved tensors, no recompute) and keeps it in `KeptGraphs` under a
+small integer handle, its second output. Its backward, ``blockdiag_cp::attention_backward``,
+runs that graph once with the upstream gradient. A kept graph goes when its backward
+ran or when its handle tensor dies (a forward whose backward never runs; the first
+forward of a checkpointed layer, whose recompute keeps its own). The graph is built with
+saved-tensor hooks off (identity hooks), so a non-reentrant checkpoint around a compiled
+layer counts the same saved tensors in its forward and in its recompute.
+
+Inside the op, autograd's dispatch keys are excluded (it runs below autograd); the
+forward and backward re-enable them the way torch's own ``leaf_function`` does
+(`_autograd_on`). The outputs are fresh tensors (copies where they would alias the kept
+graph), so the compiler may reuse their buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .step.kept import KeptGraph
+from .step.slot import STEP_SLOT
+
+OP = "blockdiag_cp::attention"
+CALLS = ("step", "row", "sdpa")
+#: dispatch keys the op's real implementation runs without (it is called below autograd)
+_AUTOGRAD_KEYS = tuple(
+    getattr(torch._C.DispatchKey, name)
+    for name in ("ADInplaceOrView", "AutogradFunctionality", "AutogradOther", "AutogradNestedTensor")
+    if hasattr(torch._C.DispatchKey, name)
+)
+_TRACING_KEYS = tuple(
+    getattr(torch._C.DispatchKey, name) for name in ("Python", "PythonDispatcher") if hasattr(torch._C.DispatchKey, name)
+)
+
+
+def opaque_attention(
+    call: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    sinks: Optional[torch.Tensor] = None,
+    position_ids: Optional[torch.Tensor] = None,
+    cu_seq_lens: Optional[torch.Tensor] = None,
+    attn_mask: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    enable_gqa: bool = False,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """The attention `call` (``"step"``, ``"row"`` or ``"sdpa"``) as one traceable op:
+    ``query [B, H, S, D]``, ``key``/``value [B, Hk, S, D]`` -> ``[B, H, S, Dv]`` (contiguous)."""
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, sinks))
+    out, _ = torch.ops.blockdiag_cp.attention(
+        query, key, value, sinks, position_ids, cu_seq_lens, attn_mask, call,
+        None if scale is None else float(scale), float(dropout_p), sliding_window,
+        None if softcap is None else float(softcap), bool(enable_gqa), bool(is_causal), needs_grad)
+    return out
+
+
+@torch.library.custom_op(OP, mutates_args=())
+def _attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: Optional[torch.Tensor],
+    position_ids: Optional[torch.Tensor], cu_seq_lens: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
+    call: str, scale: Optional[float], dropout_p: float, sliding_window: Optional[int], softcap: Optional[float],
+    enable_gqa: bool, is_causal: bool, needs_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    tensors = (query, key, value) if sinks is None else (query, key, value, sinks)
+    marks = (position_ids, cu_seq_lens, attn_mask)
+    options = (call, scale, dropout_p, sliding_window, softcap, enable_gqa, is_causal)
+    if not needs_grad:
+        with torch.no_grad():
+            out = _run(tuple(t.detach() for t in tensors), marks, *options)
+        return _fresh(out, tensors), torch.tensor(0, dtype=torch.int64)
+    leaves = tuple(t.detach().requires_grad_(True) for t in tensors)
+    with _autograd_on(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        out = _run(leaves, marks, *options)
+    handle = STEP_SLOT.kept.keep(KeptGraph(out, leaves))
+    return _fresh(out, tensors, copy=True), handle
+
+
+@_attention.register_fake
+def _attention_fake(query, key, value, sinks, position_ids, cu_seq_lens, attn_mask, call, scale, dropout_p,
+                    sliding_window, softcap, enable_gqa, is_causal, needs_grad):
+    return query.new_empty((*query.shape[:-1], value.shape[-1])), torch.empty((), dtype=torch.int64)
+
+
+@torch.library.custom_op("blockdiag_cp::attention_backward", mutates_args=())
+def _attention_backward(
+    handle: torch.Tensor, grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    sinks: Optional[torch.Tensor],
+) -> list[torch.Tensor]:
+    graph = STEP_SLOT.kept.take(int(handle))
+    with _autograd_on():
+        grads = torch.autograd.grad(graph.output, graph.inputs, grad_out.to(graph.output.dtype), allow_unused=True)
+    return [torch.zeros_like(t) if g is None else g.to(t.dtype).contiguous() for g, t in zip(grads, graph.inputs)]
+
+
+@_attention_backward.register_fake
+def _attention_backward_fake(handle, grad_out, query, key, value, sinks):
+    inputs = (query, key, value) if sinks is None else (query, key, value, sinks)
+    return [t.new_empty(t.shape) for t in inputs]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    query, key, value, sinks = inputs[:4]
+    ctx.save_for_backward(output[1], query, key, value, sinks)
+
+
+def _backward(ctx, grad_out: torch.Tensor, _grad_handle):
+    handle, query, key, value, sinks = ctx.saved_tensors
+    grads = torch.ops.blockdiag_cp.attention_backward(handle, grad_out, query, key, value, sinks)
+    return (*grads[:3], grads[3] if sinks is not None else None, *(None,) * 11)
+
+
+_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _run(tensors, marks, call, scale, dropout_p, window, softcap, enable_gqa, is_causal) -> torch.Tensor:
+    """The eager attention of `call` (Note [One opaque op])."""
+    query, key, value = tensors[:3]
+    sinks = tensors[3] if len(tensors) > 3 else None
+    position_ids, cu_seq_lens, attn_mask = marks
+    from .attention import LayerFeatures, attend_active_step, refuse_late_recompute
+
+    features = LayerFeatures(window, softcap, sinks)
+    if call == "step":
+        state = STEP_SLOT.current()
+        if state is None:  # the graph was traced inside a step: this run is its recompute after the step
+            raise RuntimeError(
+                "attention was recomputed in backward (activation checkpointing) after the block-diagonal CP "
+                "step ended; call loss.backward() inside `with train_ctx():`"
+            )
+        return attend_active_step(state, query, key, value, dropout_p, scale, enable_gqa, features)
+    if call == "row":
+        from .hf.interface import attend_row
+
+        return attend_row(query, key, value, attn_mask, position_ids, cu_seq_lens, dropout_p, scale, features)
+    refuse_late_recompute(query, key, value)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+def _fresh(out: torch.Tensor, inputs: tuple[torch.Tensor, ...], copy: bool = False) -> torch.Tensor:
+    """`out` as the op returns it: detached, contiguous, the queries' dtype, sharing storage with
+    no input and (`copy`) not with the kept graph's output (its saved tensors may include it)."""
+    out = out.detach().to(inputs[0].dtype)
+    shared = any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in inputs)
+    if copy or shared or not out.is_contiguous():
+        return out.clone(memory_format=torch.contiguous_format)
+    return out
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@contextlib.contextmanager
+def _autograd_on() -> Iterator[None]:
+    """Grad mode and autograd's dispatch keys back on, inside the op (which runs below autograd)."""
+    include = torch._C._dispatch_tls_local_include_set()
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for name in _TRACING_KEYS:
+        if include.has(name):
+            include = include.remove(name)
+    for name in _AUTOGRAD_KEYS:
+        if exclude.has(name):
+            exclude = exclude.remove(name)
+    with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
+        yield

@@ -1,0 +1,207 @@
+"""torch.compile inside and outside CP steps (Note [One opaque op] in opaque.py): per-layer
+``fullgraph=True`` compile trains exactly like the uncompiled run without CP; a whole-model
+compile has no graph break; changing rows do not recompile; checkpointing and late recompute."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import blockdiag_cp.hf  # noqa: E402,F401  (registers "blockdiag_cp")
+
+VOCAB, S, STEPS = 50, 48, 3
+BACKEND = "aot_eager"  # inductor builds C++ (a minute per model on 2 cores): the benchmark runs it
+
+
+def make_model(attn="blockdiag_cp", dtype=torch.float64):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      attn_implementation=attn)
+    return transformers.LlamaForCausalLM(config).to(dtype)
+
+
+def rows(steps=STEPS, seq_len=S, seed=3):
+    """`steps` packed rows of `seq_len` tokens, each cut into other documents: ``(ids [1, S], lengths)``."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        cuts = sorted(set(torch.randint(1, seq_len, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()))
+        lengths = [b - a for a, b in zip([0, *cuts], [*cuts, seq_len])]
+        out.append((torch.randint(0, VOCAB, (1, seq_len), generator=g), lengths))
+    return out
+
+
+def positions(lengths):
+    return torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+
+
+def reference_run(steps=STEPS):
+    """No CP, no compile: transformers' SDPA on each document alone; AdamW. Losses, last grads, params."""
+    model = make_model("sdpa")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for ids, lengths in rows(steps):
+        loss_sum, start = 0.0, 0
+        for n in lengths:
+            x = ids[:, start : start + n]
+            logits = model(input_ids=x, use_cache=False).logits
+            loss_sum = loss_sum + torch.nn.functional.cross_entropy(logits[0, :-1], x[0, 1:], reduction="sum")
+            start += n
+        loss = loss_sum / (S - len(lengths))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [p.grad.clone() for p in model.parameters()], [p.detach().clone() for p in model.parameters()]
+
+
+def compile_layers(model, fullgraph=True):
+    for layer in model.model.layers:
+        layer.compile(backend=BACKEND, fullgraph=fullgraph)
+
+
+def cp_train(rank, world, layout, checkpointing, whole_model):
+    """`STEPS` AdamW steps of the model under CP (`world` ranks), compiled per layer (fullgraph) or whole."""
+    import torch._dynamo
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from blockdiag_cp import CPConfig, make_cp_blockdiag_batch_and_ctx
+    from blockdiag_cp.loss import add_shift_labels
+
+    torch._dynamo.reset()
+    counters.clear()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)) if world > 1 else None
+    model = make_model()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+    model.train()
+    forward = torch.compile(model, backend=BACKEND) if whole_model else model
+    if not whole_model:
+        compile_layers(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for ids, lengths in rows():
+        batch = add_shift_labels({"input_ids": ids, "position_ids": positions(lengths)})
+        train_ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh["cp"] if mesh else None, None, batch,
+                                                           config=CPConfig(layout=layout))
+        with train_ctx():
+            logits = forward(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+            loss = torch.nn.functional.cross_entropy(logits[0], batch["shift_labels"][0], reduction="sum")
+            loss = loss / (S - len(lengths))
+            opt.zero_grad()
+            loss.backward()
+        value = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(value)
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+        opt.step()
+        losses.append(value.item())
+    stats = {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values()),
+             "kept": len(__import__("blockdiag_cp.step.slot", fromlist=["STEP_SLOT"]).STEP_SLOT.kept)}
+    return losses, [p.grad.clone() for p in model.parameters()], [p.detach().clone() for p in model.parameters()], stats
+
+
+def assert_same_training(result, reference):
+    (losses, grads, params, stats), (ref_losses, ref_grads, ref_params) = result, reference
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-10, (losses, ref_losses)
+    assert max(float((g - r).abs().max()) for g, r in zip(grads, ref_grads)) < 1e-10
+    assert max(float((p - r).abs().max()) for p, r in zip(params, ref_params)) < 1e-10
+    assert stats["kept"] == 0, stats  # every kept attention graph went with its backward
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_run()
+
+
+@pytest.mark.parametrize("world, layout, checkpointing", [
+    (2, "balanced", None),
+    (1, "contiguous", "non_reentrant"),
+    pytest.param(3, "contiguous", "reentrant", marks=pytest.mark.slow),
+    pytest.param(2, "balanced", "non_reentrant", marks=pytest.mark.slow),
+])
+def test_fullgraph_compiled_layers_in_a_cp_step_train_like_the_run_without_cp(world, layout, checkpointing,
+                                                                              reference, rank_pools):
+    results = rank_pools(world).run(cp_train, layout, checkpointing, False) if world > 1 else [
+        cp_train(0, 1, layout, checkpointing, False)]
+    for result in results:
+        assert_same_training(result, reference)
+        # one graph per decoder layer kind (both layers share the code), plus its recompute for checkpointing
+        assert result[3]["breaks"] == 0, result[3]
+
+
+def test_whole_model_compile_in_a_cp_step_has_no_graph_break(reference, rank_pools):
+    for result in rank_pools(2).run(cp_train, "balanced", None, True):
+        assert_same_training(result, reference)
+        assert result[3]["breaks"] == 0 and result[3]["graphs"] == 1, result[3]  # one graph, over 3 different rows
+
+
+def test_outside_a_step_a_compiled_packed_row_equals_eager():
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = make_model()
+    compiled = torch.compile(model, backend=BACKEND, fullgraph=True)
+    for ids, lengths in rows():
+        pos = positions(lengths)
+        want = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        got = compiled(input_ids=ids, position_ids=pos, use_cache=False).logits
+        assert (got - want).abs().max() < 1e-12
+        got.sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
+def test_rows_of_changing_length_recompile_once(rank_pools):
+    """10 steps, each row of another length and other documents: one recompile (the length becomes
+    dynamic), then none."""
+    for graphs in rank_pools(2).run(count_graphs_over_rows, 10):
+        assert graphs[0] == 1 and graphs[-1] == 2 and graphs[2:] == [2] * 8, graphs
+
+
+def count_graphs_over_rows(rank, world, steps):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from blockdiag_cp import make_cp_blockdiag_batch_and_ctx
+
+    torch._dynamo.reset()
+    counters.clear()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    model = make_model(dtype=torch.float32)
+    compiled = torch.compile(model, backend=BACKEND)
+    graphs = []
+    for step in range(steps):
+        ids, lengths = rows(1, seq_len=40 + 5 * step, seed=step)[0]
+        train_ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh["cp"], None, {"input_ids": ids,
+                                                                              "position_ids": positions(lengths)})
+        with train_ctx():
+            compiled(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits.sum().backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    return graphs
+
+
+def test_a_compiled_layer_recomputed_after_its_step_is_refused():
+    """Non-reentrant checkpointing around compiled layers, backward after train_ctx() exited: the
+    recompute (a second graph, outside a step) raises instead of attending unsharded."""
+    import torch._dynamo
+
+    from blockdiag_cp import make_cp_blockdiag_batch_and_ctx
+
+    torch._dynamo.reset()
+    model = make_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    compile_layers(model, fullgraph=False)
+    ids, lengths = rows(1)[0]
+    train_ctx, batch = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": ids, "position_ids": positions(lengths)})
+    with train_ctx():
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    with pytest.raises(RuntimeError, match="recomputed in backward"):
+        logits.sum().backward()
