@@ -109,7 +109,7 @@ def training_arguments(args: argparse.Namespace, output_dir: str, replicas: int 
         learning_rate=3e-3, logging_steps=1, save_strategy="no", report_to="none", bf16=args.bf16, seed=0, data_seed=0,
         dataloader_drop_last=args.drop_last, use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
         include_num_input_tokens_seen="non_padding", accelerator_config={"even_batches": not args.uneven_batches},
-        **length, **checkpointing,
+        torch_compile=args.compile is not None, torch_compile_backend=args.compile, **length, **checkpointing,
     )
 
 
@@ -167,6 +167,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ulysses-degree", type=int, default=1, help="head-parallel ranks inside each CP group")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--checkpointing", action="store_true")
+    p.add_argument("--compile", choices=("aot_eager", "inductor"), default=None,
+                   help="TrainingArguments(torch_compile=True) with this backend")
     p.add_argument("--evaluate", action="store_true")
     p.add_argument("--predict", action="store_true", help="also predict the eval documents (logits kept)")
     p.add_argument("--iterable", action="store_true", help="stream the documents (an iterable dataset)")
