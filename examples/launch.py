@@ -32,17 +32,30 @@ def start_dp_cp(dp: int, cp: Optional[int]) -> tuple[DeviceMesh, torch.device]:
     `cp` None: the world size // `dp`. Not under torchrun, or a dp x cp that is not the
     world size: exits with a one-line message.
     """
-    require_torchrun(dp * (cp or 2))
+    return start_mesh({"dp": dp, "cp": cp})
+
+
+def start_mesh(sizes: dict[str, Optional[int]]) -> tuple[DeviceMesh, torch.device]:
+    """Join the torchrun group and build the mesh of these named dimensions, outermost first
+    (e.g. ``{"dp": 1, "cp": 2, "tp": 2}``); one size may be None: what the world size leaves."""
+    known = 1
+    for size in sizes.values():
+        known *= size or 1
+    require_torchrun(known * (2 if None in sizes.values() else 1))
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if cuda else "gloo")
     world = dist.get_world_size()
-    cp = cp or world // dp
-    if dp * cp != world:
-        raise SystemExit(f"--dp {dp} x --cp {cp} must equal the world size {world}")
+    shape = {name: size or world // known for name, size in sizes.items()}
+    total = 1
+    for size in shape.values():
+        total *= size
+    if total != world:
+        named = " x ".join(f"--{name} {size}" for name, size in shape.items())
+        raise SystemExit(f"{named} must equal the world size {world}")
     device = torch.device("cuda" if cuda else "cpu")
-    return init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp")), device
+    return init_device_mesh(device.type, tuple(shape.values()), mesh_dim_names=tuple(shape)), device
 
 
 def finish() -> None:

@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import blockdiag_cp.hf  # noqa: F401  registers attn_implementation="blockdiag_cp"
 from blockdiag_cp import CPConfig, make_cp_blockdiag_batch_and_ctx
 from blockdiag_cp.loss import add_shift_labels, token_mean_loss
+from blockdiag_cp.parallel import reduce_gradients
 
 p = argparse.ArgumentParser()
 p.add_argument("--dp", type=int, default=1)
@@ -52,8 +53,7 @@ for step in range(args.steps):
         loss, value = token_mean_loss(loss_sum, (targets != -100).sum(), group=None, grads_averaged_over=1)
         opt.zero_grad()
         loss.backward()
-    for param in model.parameters():  # every rank holds the whole model: SUM its gradients over dp x cp
-        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+    reduce_gradients(model.parameters())  # every rank holds the whole model: SUM its gradients over dp x cp
     opt.step()
     if dist.get_rank() == 0:
         print(f"step {step + 1}/{args.steps}  loss {value.item():.6f}", flush=True)

@@ -140,6 +140,7 @@ def main(argv=None) -> None:
     from blockdiag_cp import CPConfig
     from blockdiag_cp.hf import make_cp_vlm_batch_and_ctx, vlm_model_inputs
     from blockdiag_cp.loss import add_shift_labels, token_mean_loss
+    from blockdiag_cp.parallel import reduce_gradients
 
     args = parse_args(argv)
     mesh, device = start_dp_cp(args.dp, args.cp)
@@ -160,9 +161,7 @@ def main(argv=None) -> None:
             loss, value = token_mean_loss(loss_sum, (targets != -100).sum())  # over the world: dp x cp
             opt.zero_grad()
             loss.backward()
-        for p in model.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad)  # SUM over dp x cp: every rank holds the whole model
+        reduce_gradients(model.parameters())  # SUM over dp x cp: every rank holds the whole model
         opt.step()
         if dist.get_rank() == 0:
             vision = state.call_notes.vision

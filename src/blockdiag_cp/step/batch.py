@@ -64,7 +64,11 @@ def make_cp_blockdiag_batch_and_ctx(
     Args:
         cp_mesh: the 1-D context-parallel `DeviceMesh` (e.g. ``mesh["cp"]``), or
             None for a single process (world 1: documents are still masked).
-        tp_mesh: accepted for the ``_cp_make_batch_fn`` signature; unused.
+        tp_mesh: the tensor-parallel sub-mesh (e.g. ``mesh["tp"]``) or None. CP never
+            splits heads over it: every TP rank of a CP rank passes the same row and
+            gets the same shard, and its attention layers see their own heads. It must
+            be 1-D and share no rank with the CP group but this one (a `ValueError`
+            otherwise: the same dimension passed twice, or a mesh laid over CP).
         batch: exactly one of ``inputs_embeds [1, S, E]`` (sliced differentiably, so
             gradients reach the full tensor) or ``input_ids [1, S]``. Mutated in
             place: ``attention_mask`` and flattening metadata are dropped,
@@ -92,6 +96,7 @@ def make_cp_blockdiag_batch_and_ctx(
     if not isinstance(config, CPConfig):
         raise CPTypeError(f"config must be a CPConfig, got {type(config).__name__}")
     world, rank, group = _cp_group(cp_mesh)
+    _check_tp_mesh(tp_mesh, cp_mesh)
     if loss_mask is not None:
         batch["loss_mask"] = loss_mask
     packed = batch.get("_packed_seq_ids")
@@ -194,6 +199,29 @@ def _cp_group(cp_mesh) -> tuple[int, int, Any]:
             "mis-resolved (build the mesh with init_device_mesh and pass mesh['cp'])"
         )
     return world, cp_mesh.get_local_rank(), group
+
+
+def _check_tp_mesh(tp_mesh, cp_mesh) -> None:
+    """`ValueError` unless `tp_mesh` is None or a 1-D mesh meeting the CP group in this rank alone
+    (computed from the meshes, which every rank holds alike: every rank raises together)."""
+    if tp_mesh is None:
+        return
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(tp_mesh, DeviceMesh):
+        raise CPTypeError(f"tp_mesh must be a DeviceMesh (e.g. mesh['tp']) or None, got {type(tp_mesh).__name__}")
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"tp_mesh must be 1-D; pass the TP sub-mesh, e.g. mesh['tp'] (got {tp_mesh.ndim}-D)")
+    if cp_mesh is None:
+        return
+    tp_ranks, cp_ranks = set(tp_mesh.mesh.flatten().tolist()), set(cp_mesh.mesh.flatten().tolist())
+    shared = sorted(tp_ranks & cp_ranks)
+    if len(shared) > 1:
+        raise ValueError(
+            f"tp_mesh and cp_mesh share the ranks {shared}: the TP group must cross the CP group in this rank "
+            "alone (build one mesh, e.g. init_device_mesh(device, (dp, cp, tp), mesh_dim_names=('dp', 'cp', 'tp')), "
+            "and pass mesh['cp'] and mesh['tp'])"
+        )
 
 
 def _seq_dim(key: str, tensor: torch.Tensor) -> int:
