@@ -15,8 +15,8 @@ compiled inside and outside steps has one graph for each.
 
 Three calls share the op (`call`):
 
-    step   inside a step: the active step's CP attention (attention.attend_active_step)
-    row    outside a step, one packed row through transformers (hf.interface.attend_row)
+    step   inside a step: the active step's CP attention (step.attend.attend_active_step)
+    row    outside a step, one packed row through transformers (step.attend.attend_row)
     sdpa   outside a step, a cp_blockdiag_sdpa call that could be a CP layer's late
            recompute (one row, keys = queries, no mask): checked, then stock SDPA
 
@@ -26,9 +26,9 @@ compile: the same saved tensors, no recompute) and keeps it in `KeptGraphs` unde
 small integer handle, its second output. Its backward, ``blockdiag_cp::attention_backward``,
 runs that graph once with the upstream gradient. A kept graph goes when its backward
 ran or when its handle tensor dies (a forward whose backward never runs; the first
-forward of a checkpointed layer, whose recompute keeps its own). The graph is built with
-saved-tensor hooks off (identity hooks), so a non-reentrant checkpoint around a compiled
-layer counts the same saved tensors in its forward and in its recompute.
+forward of a checkpointed layer, whose recompute keeps its own). Under a non-reentrant
+checkpoint around a compiled layer the graph saves through the checkpoint's hooks like any
+other op of the layer (the same saves in its forward and its recompute).
 
 Inside the op, autograd's dispatch keys are excluded (it runs below autograd); the
 forward and backward re-enable them the way torch's own ``leaf_function`` does
@@ -44,6 +44,7 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
+from .step.attend import LayerFeatures, attend_active_step, attend_row, refuse_late_recompute
 from .step.kept import KeptGraph
 from .step.slot import STEP_SLOT
 
@@ -103,7 +104,7 @@ def _attention(
             out = _run(tuple(t.detach() for t in tensors), marks, *options)
         return _fresh(out, tensors), torch.tensor(0, dtype=torch.int64)
     leaves = tuple(t.detach().requires_grad_(True) for t in tensors)
-    with _autograd_on(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+    with _autograd_on():
         out = _run(leaves, marks, *options)
     handle = STEP_SLOT.kept.keep(KeptGraph(out, leaves))
     return _fresh(out, tensors, copy=True), handle
@@ -151,8 +152,6 @@ def _run(tensors, marks, call, scale, dropout_p, window, softcap, enable_gqa, is
     query, key, value = tensors[:3]
     sinks = tensors[3] if len(tensors) > 3 else None
     position_ids, cu_seq_lens, attn_mask = marks
-    from .attention import LayerFeatures, attend_active_step, refuse_late_recompute
-
     features = LayerFeatures(window, softcap, sinks)
     if call == "step":
         state = STEP_SLOT.current()
@@ -163,8 +162,6 @@ def _run(tensors, marks, call, scale, dropout_p, window, softcap, enable_gqa, is
             )
         return attend_active_step(state, query, key, value, dropout_p, scale, enable_gqa, features)
     if call == "row":
-        from .hf.interface import attend_row
-
         return attend_row(query, key, value, attn_mask, position_ids, cu_seq_lens, dropout_p, scale, features)
     refuse_late_recompute(query, key, value)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
@@ -179,10 +176,6 @@ def _fresh(out: torch.Tensor, inputs: tuple[torch.Tensor, ...], copy: bool = Fal
     if copy or shared or not out.is_contiguous():
         return out.clone(memory_format=torch.contiguous_format)
     return out
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 @contextlib.contextmanager

@@ -205,3 +205,37 @@ def test_a_compiled_layer_recomputed_after_its_step_is_refused():
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
     with pytest.raises(RuntimeError, match="recomputed in backward"):
         logits.sum().backward()
+
+
+def test_the_drop_in_compiles_fullgraph_in_and_outside_a_step():
+    """`cp_blockdiag_sdpa` itself under torch.compile(fullgraph=True): a world-1 step on a packed row
+    (window and sinks too) and stock SDPA outside, forward and backward equal to eager."""
+    import torch._dynamo
+
+    from blockdiag_cp import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 20, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    sinks = torch.randn(4, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def attend(q, k, v, sinks, window):
+        return cp_blockdiag_sdpa(q, k, v, sliding_window=window, sinks=sinks)
+
+    compiled = torch.compile(attend, backend=BACKEND, fullgraph=True)
+    ids = torch.tensor([[1] * 7 + [2] * 9 + [3] * 4])
+    train_ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": ids, "_packed_seq_ids": ids})
+    for window in (None, 5):
+        results = []
+        for fn in (attend, compiled):
+            with train_ctx():
+                out = fn(q, k, v, sinks, window)
+                out.square().sum().backward()
+            results.append((out.detach(), *(t.grad.clone() for t in (q, k, v, sinks))))
+            for t in (q, k, v, sinks):
+                t.grad = None
+        for eager, traced in zip(*results):
+            assert (eager - traced).abs().max() < 1e-12
+    outside = torch.compile(lambda q, k, v: cp_blockdiag_sdpa(q, k, v, is_causal=True), backend=BACKEND, fullgraph=True)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert (outside(q, k, v) - want).abs().max() < 1e-12

@@ -22,6 +22,7 @@ registries, ``AttentionInterface`` and ``AttentionMaskInterface``
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Optional
 
@@ -30,14 +31,13 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..attention import LayerFeatures, attend_in_step, autocast_inputs, cp_blockdiag_sdpa, refuse_late_recompute
-from ..config import CPConfig
-from ..step.doc_ids import block_causal_mask, resolve_doc_ids
+from ..attention import cp_blockdiag_sdpa
 from ..mixers import refuse_unrouted_mixers, unrouted_config_mixers
 from ..mixers.routing import PREPARED_KINDS
 from ..opaque import opaque_attention
+from ..step.attend import LayerFeatures, attend_row, autocast_inputs, refuse_late_recompute
 from ..step.slot import STEP_SLOT, current_step
-from ..step.state import StepState, build_step_state
+from ..step.state import StepState
 
 ATTN_IMPLEMENTATION = "blockdiag_cp"
 #: when the in-step refusal of unrouted token mixers runs, for its message
@@ -51,43 +51,6 @@ def layer_features(module: torch.nn.Module, kwargs: dict[str, Any]) -> LayerFeat
     return LayerFeatures(window, kwargs.get("softcap"), kwargs.get("s_aux"))
 
 
-def _row_doc_ids(
-    S: int, device: torch.device, position_ids: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-    mask_11SS: Optional[torch.Tensor], window: Optional[int],
-) -> torch.Tensor:
-    """Document ids ``[S]`` of a single row: its packed documents, or one document.
-
-    Packed: ``cu_seq_lens_q`` is given, or 2-D ``position_ids`` break (do not step by
-    +1). The padding of a 4-D ``[1, 1, S, S]`` mask (its diagonal) marks padding
-    tokens; within each document the mask must be causal (under the layer's sliding
-    `window`), else a `ValueError`.
-    """
-    marks: dict[str, Any] = {"cu_seq_lens_q": cu_seqlens}
-    if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 and position_ids.shape == (1, S):
-        marks["position_ids"] = position_ids
-    if mask_11SS is not None:
-        marks["attention_mask"] = mask_11SS[0, 0].diagonal().unsqueeze(0).long()
-    doc_ids_S = resolve_doc_ids({k: v for k, v in marks.items() if v is not None}, S, device, 1)[0]
-    if mask_11SS is not None:
-        _check_mask_is_causal_within_documents(mask_11SS[0, 0], doc_ids_S, window)
-    return doc_ids_S
-
-
-def _check_mask_is_causal_within_documents(mask_SS: torch.Tensor, doc_ids_S: torch.Tensor, window) -> None:
-    """`ValueError` unless the model's mask, inside each document, is exactly causal (within `window`)."""
-    allowed = mask_SS == 0 if mask_SS.is_floating_point() else mask_SS.bool()
-    ours = block_causal_mask(doc_ids_S.unsqueeze(0))[0]
-    if window is not None:
-        ours &= torch.ones_like(ours).triu(-(window - 1))
-    same_doc = (doc_ids_S.unsqueeze(0) == doc_ids_S.unsqueeze(1)) & (doc_ids_S != 0).unsqueeze(0)
-    if not torch.equal(allowed & same_doc, ours):
-        raise ValueError(
-            "the attention mask transformers built for this packed row is not causal inside each document "
-            "(e.g. bidirectional image tokens); blockdiag_cp computes causal attention per document and refuses "
-            "rather than be silently wrong"
-        )
-
-
 def _one_row(query: torch.Tensor, key: torch.Tensor, attention_mask: Any) -> bool:
     """Whether this call outside a step is one row whose keys are exactly its queries
     (``query [1, H, S, D]``, ``key [1, Hk, S, D]``, a mask None or ``[1, 1, S, S]``): shapes only.
@@ -96,34 +59,6 @@ def _one_row(query: torch.Tensor, key: torch.Tensor, attention_mask: Any) -> boo
     if query.shape[0] != 1 or key.shape[2] != S:
         return False
     return attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.shape == (1, 1, S, S))
-
-
-def _row_state(query: torch.Tensor, attention_mask, position_ids, cu_seqlens, window) -> StepState:
-    """The one-rank step state of a single row outside a step (its packed documents, or one),
-    planned once per forward (`StepSlot.implicit_state`: the first layer plans, the others reuse it)."""
-    S = query.shape[2]
-
-    def plan() -> StepState:
-        doc_ids = _row_doc_ids(S, query.device, position_ids, cu_seqlens, attention_mask, window)
-        return build_step_state(doc_ids, 1, 0, None, CPConfig(), query.device)
-
-    return STEP_SLOT.implicit_state((position_ids, cu_seqlens, attention_mask), (S, query.device, window), plan)
-
-
-def attend_row(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Optional[torch.Tensor],
-    position_ids: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], dropout: float,
-    scaling: Optional[float], features: LayerFeatures, module: Optional[torch.nn.Module] = None,
-) -> torch.Tensor:
-    """Per-document attention of one row outside a step (`_one_row`): ``[1, H, S, D]`` -> ``[1, H, S, D]``.
-    With `module`, a model whose token mixers are not routed is refused on a row of several documents."""
-    refuse_late_recompute(query, key, value)
-    local = _row_state(query, attention_mask, position_ids, cu_seqlens, features.sliding_window)
-    if module is not None:
-        _refuse_unrouted_on_packed_row(module, local)
-    query, key, value = autocast_inputs(query, key, value)
-    return attend_in_step(local, query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=True,
-                          features=features)
 
 
 def blockdiag_cp_attention(
@@ -177,18 +112,22 @@ def _attend_one_row(module, query, key, value, attention_mask, dropout, scaling,
     position_ids, cu_seqlens = kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q")
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape != (1, query.shape[2]):
         position_ids = None
+    check = functools.partial(_refuse_unrouted_on_packed_row, module)
     if not torch.compiler.is_compiling():
-        return attend_row(query, key, value, attention_mask, position_ids, cu_seqlens, dropout, scaling, features, module)
+        return attend_row(query, key, value, attention_mask, position_ids, cu_seqlens, dropout, scaling, features, check)
     if unrouted_config_mixers(getattr(module, "config", None), getattr(module, PREPARED_KINDS, frozenset())):
         return _attend_row_eagerly(query, key, value, attention_mask, position_ids, cu_seqlens, dropout, scaling,
-                                   features, module)
+                                   features, check)
     query, key, value = autocast_inputs(query, key, value)
     return opaque_attention("row", query, key, value, sinks=features.sinks, position_ids=position_ids,
                             cu_seq_lens=cu_seqlens, attn_mask=attention_mask, scale=scaling, dropout_p=dropout,
                             sliding_window=features.sliding_window, softcap=features.softcap, enable_gqa=True)
 
 
-_attend_row_eagerly = torch.compiler.disable(attend_row)
+@torch.compiler.disable
+def _attend_row_eagerly(*args: Any) -> torch.Tensor:
+    """`attend_row`, run eagerly under torch.compile (a graph break)."""
+    return attend_row(*args)
 
 
 def _refuse_unrouted_on_packed_row(module: torch.nn.Module, local: StepState) -> None:

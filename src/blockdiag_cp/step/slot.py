@@ -55,7 +55,7 @@ IMPLICIT_ENTRIES = 4
 
 
 class CallSignature(NamedTuple):
-    """What every rank's attention call of a step must share (built by `attention.call_signature`)."""
+    """What every rank's attention call of a step must share (built by `step.attend.call_signature`)."""
 
     query_shape: tuple[int, ...]
     key_shape: tuple[int, ...]
