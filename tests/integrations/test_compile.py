@@ -239,3 +239,30 @@ def test_the_drop_in_compiles_fullgraph_in_and_outside_a_step():
     outside = torch.compile(lambda q, k, v: cp_blockdiag_sdpa(q, k, v, is_causal=True), backend=BACKEND, fullgraph=True)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert (outside(q, k, v) - want).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", pytest.param("qwen3_5", marks=pytest.mark.slow)])
+def test_a_compiled_prepared_hybrid_equals_eager(family):
+    """A hybrid's routed mixers plan on the host: under torch.compile they run eagerly (a graph break
+    around each), so a packed row in a world-1 step equals the eager model, forward and backward."""
+    import torch._dynamo
+    from test_hybrid_models import build, loss_of, packed_row
+
+    from blockdiag_cp import make_cp_blockdiag_batch_and_ctx
+    from blockdiag_cp.hf import prepare_model
+
+    torch._dynamo.reset()
+    model = build(family)
+    prepare_model(model)
+    ids, pos = packed_row()
+    eager = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    loss_of(eager, ids).backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    compiled = torch.compile(model, backend=BACKEND)
+    train_ctx, batch = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": ids, "position_ids": pos})
+    with train_ctx():
+        got = compiled(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        loss_of(got, ids).backward()
+    assert (got - eager).abs().max() < 1e-12
+    assert max(float((p.grad - w).abs().max()) for p, w in zip(model.parameters(), want)) < 1e-12
