@@ -157,6 +157,7 @@ def test_outside_a_step_a_compiled_packed_row_equals_eager():
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
 
 
+@pytest.mark.slow
 def test_rows_of_changing_length_recompile_once(rank_pools):
     """10 steps, each row of another length and other documents: one recompile (the length becomes
     dynamic), then none."""
@@ -241,7 +242,8 @@ def test_the_drop_in_compiles_fullgraph_in_and_outside_a_step():
     assert (outside(q, k, v) - want).abs().max() < 1e-12
 
 
-@pytest.mark.parametrize("family", ["nemotron_h", pytest.param("qwen3_5", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5"])
 def test_a_compiled_prepared_hybrid_equals_eager(family):
     """A hybrid's routed mixers plan on the host: under torch.compile they run eagerly (a graph break
     around each), so a packed row in a world-1 step equals the eager model, forward and backward."""
