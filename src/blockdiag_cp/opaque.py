@@ -33,7 +33,9 @@ other op of the layer (the same saves in its forward and its recompute).
 Inside the op, autograd's dispatch keys are excluded (it runs below autograd); the
 forward and backward re-enable them the way torch's own ``leaf_function`` does
 (`_autograd_on`). The outputs are fresh tensors (copies where they would alias the kept
-graph), so the compiler may reuse their buffers.
+graph), so the compiler may reuse their buffers. Attention dropout draws its mask from a
+seed drawn in the graph (a random op the compiler saves rather than recomputes), so a
+checkpointed layer's recompute draws the same mask as its forward.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
+from .errors import ensure
 from .step.attend import LayerFeatures, attend_active_step, attend_row, refuse_late_recompute
 from .step.kept import KeptGraph
 from .step.slot import STEP_SLOT
@@ -80,10 +83,13 @@ def opaque_attention(
 ) -> torch.Tensor:
     """The attention `call` (``"step"``, ``"row"`` or ``"sdpa"``) as one traceable op:
     ``query [B, H, S, D]``, ``key``/``value [B, Hk, S, D]`` -> ``[B, H, S, Dv]`` (contiguous)."""
+    ensure(call in CALLS, f"unknown opaque attention call {call!r}")
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, sinks))
+    # dropout draws from a seed drawn here, in the graph: a recompute (checkpointing) reuses it
+    seed = torch.randint(0, 2**62, (), dtype=torch.int64) if dropout_p > 0 else None
     out, _ = torch.ops.blockdiag_cp.attention(
-        query, key, value, sinks, position_ids, cu_seq_lens, attn_mask, call,
+        query, key, value, sinks, position_ids, cu_seq_lens, attn_mask, seed, call,
         None if scale is None else float(scale), float(dropout_p), sliding_window,
         None if softcap is None else float(softcap), bool(enable_gqa), bool(is_causal), needs_grad)
     return out
@@ -93,25 +99,26 @@ def opaque_attention(
 def _attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: Optional[torch.Tensor],
     position_ids: Optional[torch.Tensor], cu_seq_lens: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
-    call: str, scale: Optional[float], dropout_p: float, sliding_window: Optional[int], softcap: Optional[float],
-    enable_gqa: bool, is_causal: bool, needs_grad: bool,
+    seed: Optional[torch.Tensor], call: str, scale: Optional[float], dropout_p: float, sliding_window: Optional[int],
+    softcap: Optional[float], enable_gqa: bool, is_causal: bool, needs_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     tensors = (query, key, value) if sinks is None else (query, key, value, sinks)
     marks = (position_ids, cu_seq_lens, attn_mask)
     options = (call, scale, dropout_p, sliding_window, softcap, enable_gqa, is_causal)
-    if not needs_grad:
-        with torch.no_grad():
-            out = _run(tuple(t.detach() for t in tensors), marks, *options)
-        return _fresh(out, tensors), torch.tensor(0, dtype=torch.int64)
-    leaves = tuple(t.detach().requires_grad_(True) for t in tensors)
-    with _autograd_on():
-        out = _run(leaves, marks, *options)
+    with _seeded(seed, query.device):
+        if not needs_grad:
+            with torch.no_grad():
+                out = _run(tuple(t.detach() for t in tensors), marks, *options)
+            return _fresh(out, tensors), torch.tensor(0, dtype=torch.int64)
+        leaves = tuple(t.detach().requires_grad_(True) for t in tensors)
+        with _autograd_on():
+            out = _run(leaves, marks, *options)
     handle = STEP_SLOT.kept.keep(KeptGraph(out, leaves))
     return _fresh(out, tensors, copy=True), handle
 
 
 @_attention.register_fake
-def _attention_fake(query, key, value, sinks, position_ids, cu_seq_lens, attn_mask, call, scale, dropout_p,
+def _attention_fake(query, key, value, sinks, position_ids, cu_seq_lens, attn_mask, seed, call, scale, dropout_p,
                     sliding_window, softcap, enable_gqa, is_causal, needs_grad):
     return query.new_empty((*query.shape[:-1], value.shape[-1])), torch.empty((), dtype=torch.int64)
 
@@ -141,7 +148,7 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad_out: torch.Tensor, _grad_handle):
     handle, query, key, value, sinks = ctx.saved_tensors
     grads = torch.ops.blockdiag_cp.attention_backward(handle, grad_out, query, key, value, sinks)
-    return (*grads[:3], grads[3] if sinks is not None else None, *(None,) * 11)
+    return (*grads[:3], grads[3] if sinks is not None else None, *(None,) * 12)
 
 
 _attention.register_autograd(_backward, setup_context=_setup_context)
@@ -176,6 +183,22 @@ def _fresh(out: torch.Tensor, inputs: tuple[torch.Tensor, ...], copy: bool = Fal
     if copy or shared or not out.is_contiguous():
         return out.clone(memory_format=torch.contiguous_format)
     return out
+
+
+@contextlib.contextmanager
+def _seeded(seed: Optional[torch.Tensor], device: torch.device) -> Iterator[None]:
+    """With a `seed` (attention dropout), the generators of the CPU and `device` seeded from it, then
+    restored: the forward and its recompute under checkpointing draw the same dropout mask."""
+    if seed is None:
+        yield
+        return
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device.index or 0] if cuda else [], device_type="cuda"):
+        torch.random.default_generator.manual_seed(int(seed))
+        if cuda:
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(int(seed))  # this device only
+        yield
 
 
 @contextlib.contextmanager

@@ -268,3 +268,36 @@ def test_a_compiled_prepared_hybrid_equals_eager(family):
         loss_of(got, ids).backward()
     assert (got - eager).abs().max() < 1e-12
     assert max(float((p.grad - w).abs().max()) for p, w in zip(model.parameters(), want)) < 1e-12
+
+
+def test_attention_dropout_under_compile_draws_one_mask_for_a_layer_and_its_recompute():
+    """Dropout inside the compiled attention: with non-reentrant checkpointing (recompute in backward)
+    the loss and every gradient equal the run without checkpointing from the same seed, so the
+    recompute drew the forward's mask; and the mask is a real one (another seed, another loss)."""
+    import torch._dynamo
+
+    from blockdiag_cp import make_cp_blockdiag_batch_and_ctx
+
+    ids, lengths = rows(1)[0]
+
+    def run(checkpointing, seed):
+        torch._dynamo.reset()
+        model = make_model()
+        model.config.attention_dropout = 0.3
+        for layer in model.model.layers:
+            layer.self_attn.attention_dropout = 0.3
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        compile_layers(model)
+        train_ctx, batch = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": ids,
+                                                                        "position_ids": positions(lengths)})
+        torch.manual_seed(seed)
+        with train_ctx():
+            loss = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits.square().mean()
+            loss.backward()
+        return loss.item(), [p.grad for p in model.parameters()]
+
+    plain, checkpointed, other = run(False, 7), run(True, 7), run(False, 8)
+    assert plain[0] == checkpointed[0] and plain[0] != other[0]
+    assert max(float((a - b).abs().max()) for a, b in zip(plain[1], checkpointed[1])) < 1e-12
