@@ -27,39 +27,46 @@ from blockdiag_cp.tools.bench import doc_lengths
 SEQ_LEN, WARMUP, TIMED, CHANGING = 2048, 2, 8, 5
 
 
-def make_model():
+def make_model(hidden: int = 256, heads: int = 8, layers: int = 4, dtype: torch.dtype = torch.float32,
+               device: str = "cpu"):
+    """A Llama of `layers` blocks, `heads` query heads (half as many K/V heads) of 32, MLP 2.75x."""
     import transformers
 
     import blockdiag_cp.hf  # noqa: F401
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                                      num_hidden_layers=layers, num_attention_heads=heads,
+                                      num_key_value_heads=heads // 2, max_position_embeddings=1 << 17,
                                       attn_implementation="blockdiag_cp")
-    return transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype)
 
 
-def row(step: int, seq_len: int = SEQ_LEN) -> dict:
+def row(step: int, seq_len: int = SEQ_LEN, device: str = "cpu") -> dict:
     lengths = doc_lengths("powerlaw:12", seq_len, seed=step)
     ids = torch.randint(0, 512, (1, seq_len), generator=torch.Generator().manual_seed(step))
-    return {"input_ids": ids, "position_ids": torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)}
+    return {"input_ids": ids.to(device),
+            "position_ids": torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).to(device)}
 
 
-def train_step(model, mesh, batch: dict) -> tuple[float, float]:
-    """``(seconds, loss)`` of one forward and backward under CP."""
+def train_step(model, cp_mesh, batch: dict) -> tuple[float, float]:
+    """``(seconds, loss)`` of one forward and backward under CP (`cp_mesh` None: a one-process step)."""
     from blockdiag_cp import make_cp_blockdiag_batch_and_ctx
     from blockdiag_cp.loss import add_shift_labels
 
     batch = add_shift_labels({k: v.clone() for k, v in batch.items()})
+    if batch["input_ids"].is_cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
-    train_ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh["cp"], None, batch)
+    train_ctx, batch = make_cp_blockdiag_batch_and_ctx(cp_mesh, None, batch)
     with train_ctx():
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(logits[0], batch["shift_labels"][0], ignore_index=-100,
+        loss = torch.nn.functional.cross_entropy(logits[0].float(), batch["shift_labels"][0], ignore_index=-100,
                                                  reduction="sum")
         model.zero_grad(set_to_none=True)
         loss.backward()
-    return time.perf_counter() - start, loss.item()
+    value = loss.item()  # a host sync: the step is done
+    return time.perf_counter() - start, value
 
 
 def rank_main(rank: int, world: int, backend: str) -> dict:
@@ -75,21 +82,21 @@ def rank_main(rank: int, world: int, backend: str) -> dict:
         layer.compile(backend=backend, fullgraph=True)
     compile_start = time.perf_counter()
     for step in range(WARMUP):
-        train_step(compiled, mesh, row(step))
-        train_step(eager, mesh, row(step))
+        train_step(compiled, mesh["cp"], row(step))
+        train_step(eager, mesh["cp"], row(step))
     compile_seconds = time.perf_counter() - compile_start
     graphs = [counters["stats"]["unique_graphs"]]
     times, diffs = {"eager": [], "compiled": []}, []
     for step in range(WARMUP, WARMUP + TIMED):
         batch = row(step)
-        t_eager, loss_eager = train_step(eager, mesh, batch)
-        t_compiled, loss_compiled = train_step(compiled, mesh, batch)
+        t_eager, loss_eager = train_step(eager, mesh["cp"], batch)
+        t_compiled, loss_compiled = train_step(compiled, mesh["cp"], batch)
         times["eager"].append(t_eager)
         times["compiled"].append(t_compiled)
         diffs.append(abs(loss_eager - loss_compiled) / abs(loss_eager))
     graphs.append(counters["stats"]["unique_graphs"])
     for step in range(CHANGING):
-        train_step(compiled, mesh, row(100 + step, SEQ_LEN - 64 * (step + 1)))
+        train_step(compiled, mesh["cp"], row(100 + step, SEQ_LEN - 64 * (step + 1)))
     graphs.append(counters["stats"]["unique_graphs"])
     return {"eager": statistics.median(times["eager"]), "compiled": statistics.median(times["compiled"]),
             "loss_rel_diff": max(diffs), "graphs": graphs, "compile_s": compile_seconds,

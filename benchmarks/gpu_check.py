@@ -13,6 +13,9 @@ when missing.
    actually computed (counted as 3.5 x 4 x pairs x heads x head_dim). The limit is the
    same documents unsharded, divided by 8: flash-attn varlen when installed, else
    PyTorch's own flash SDPA, one causal call per document.
+3. A new row every step: a fresh call table plus fwd+bwd, per kernel.
+4. A compiled step: a Llama's one-process CP step, eager beside every block compiled
+   ``fullgraph=True`` (inductor, bf16), rows of changing documents.
 
     python benchmarks/gpu_check.py            # on a CUDA machine
     python benchmarks/gpu_check.py --smoke    # a small dry run on CPU (checks the script itself)
@@ -249,6 +252,42 @@ def changing_rows(scale: Scale, steps: int = 6) -> None:
         emit(f"| {kernel_name} | {' / '.join(f'{t * 1e3:.0f}' for t in times)} |")
 
 
+def compiled_step(scale: Scale, steps: int = 6) -> None:
+    """A one-process CP step of a Llama (bf16 on the GPU) on packed rows of changing documents: eager,
+    and with every decoder block compiled ``fullgraph=True`` (inductor; ``aot_eager`` in the smoke
+    run, which builds no C++). Steps alternate; the median after one warm-up step of each."""
+    import statistics
+
+    import torch._dynamo
+    from compile_step import make_model, row, train_step
+    from torch._dynamo.utils import counters
+
+    backend = "inductor" if scale.device == "cuda" else "aot_eager"
+    seq_len, hidden, heads, layers = (16384, 1024, 16, 4) if scale.device == "cuda" else (1024, 128, 4, 2)
+    torch._dynamo.reset()
+    counters.clear()
+    eager = make_model(hidden, heads, layers, scale.dtype, scale.device)
+    compiled = make_model(hidden, heads, layers, scale.dtype, scale.device)
+    for layer in compiled.model.layers:
+        layer.compile(backend=backend, fullgraph=True)
+    times: dict[str, list[float]] = {"eager": [], "compiled": []}
+    worst = 0.0
+    for step in range(steps + 1):
+        batch = row(step, seq_len, scale.device)
+        t_eager, loss_eager = train_step(eager, None, batch)
+        t_compiled, loss_compiled = train_step(compiled, None, batch)
+        worst = max(worst, abs(loss_eager - loss_compiled) / abs(loss_eager))
+        if step:  # the first step compiles
+            times["eager"].append(t_eager)
+            times["compiled"].append(t_compiled)
+    eager_s, compiled_s = (statistics.median(times[k]) for k in ("eager", "compiled"))
+    emit(f"| compiled step: {layers} layers, hidden {hidden}, {seq_len // 1024}k tokens, {backend} | eager ms | "
+         f"compiled ms | eager / compiled | loss rel. diff | graphs |")
+    emit("|---|---|---|---|---|---|")
+    emit(f"| {str(scale.dtype).removeprefix('torch.')} | {eager_s * 1e3:.1f} | {compiled_s * 1e3:.1f} | "
+         f"{eager_s / compiled_s:.2f}x | {worst:.1e} | {counters['stats']['unique_graphs']} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="a small CPU dry run of this script")
@@ -267,6 +306,11 @@ def main() -> int:
     throughput(scale)
     emit("")
     changing_rows(scale)
+    emit("")
+    try:
+        compiled_step(scale)
+    except Exception as exc:  # report it with the rest
+        emit(f"compiled step FAILED: {type(exc).__name__}: {str(exc)[:300]}")
     emit(f"\ntotal: {time.perf_counter() - t0:.0f}s")
     return 0
 
