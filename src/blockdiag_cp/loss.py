@@ -64,3 +64,79 @@ def token_mean_loss(
     global_tokens = total[1].clamp_min(1.0)
     loss_to_backward = loss_sum * (grads_averaged_over / global_tokens).to(loss_sum.dtype)
     return loss_to_backward, (total[0] / global_tokens).to(loss_sum.dtype)
+
+
+def token_log_probs(
+    logits_1LV: torch.Tensor, targets_1L: torch.Tensor, *, temperature: float = 1.0, with_entropy: bool = False,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Per-token log-probabilities of the next-token targets, from this rank's own logits (no gather).
+
+    Args:
+        logits_1LV: this rank's ``[1, L, V]`` logits (any float dtype; computed in float32 or wider).
+        targets_1L: ``[1, L]`` next-token targets of the unsharded row, sharded (``shift_labels``
+            from `add_shift_labels`: a shard's last token predicts the next shard's first);
+            -100 where a token predicts nothing.
+        temperature: the logits are divided by it first (as RL trainers sample).
+        with_entropy: also return each token's entropy of the predicted distribution.
+
+    Returns:
+        ``(log_probs [1, L], entropy [1, L] or None)``, differentiable, 0 where the target is -100
+        (entropy: 0 there too). What moves between ranks afterwards is per token or per
+        document (`sum_per_document`): O(tokens), never O(tokens x vocab).
+    """
+    if logits_1LV.shape[:2] != targets_1L.shape:
+        raise ValueError(f"logits {tuple(logits_1LV.shape)} and targets {tuple(targets_1L.shape)} must be [1, L, V] "
+                         "and [1, L] of the same shard")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature!r}")
+    dtype = torch.promote_types(logits_1LV.dtype, torch.float32)
+    logp_1LV = torch.log_softmax(logits_1LV.to(dtype) / temperature, dim=-1)
+    valid = targets_1L != IGNORE_INDEX
+    picked = logp_1LV.gather(-1, targets_1L.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    log_probs = torch.where(valid, picked, torch.zeros((), dtype=dtype, device=picked.device))
+    if not with_entropy:
+        return log_probs, None
+    entropy = -(logp_1LV.exp() * logp_1LV).sum(-1)
+    return log_probs, torch.where(valid, entropy, torch.zeros((), dtype=dtype, device=entropy.device))
+
+
+def sum_per_document(values_1L: torch.Tensor, state: Optional[Any] = None) -> torch.Tensor:
+    """``[D]``: per-token values of this rank's shard summed by document over the whole CP group.
+
+    Args:
+        values_1L: ``[1, L]`` per-token values of this rank's positions (e.g. `token_log_probs`).
+        state: the step (`StepState`); default the active one.
+
+    Returns:
+        ``[D]`` (``D`` = the row's documents, in document-id order), the same on every rank of
+        the CP group: one all-reduce of ``D`` numbers. Its backward is the identity on each
+        rank: every CP rank computes the same loss from these sums, and gradients summed over
+        the CP group (`parallel.reduce_gradients`, or DDP/FSDP over dp x cp with the loss scaled
+        as `token_mean_loss` says) are the exact gradient. Padding counts nowhere.
+    """
+    from .step.slot import current_step
+
+    state = current_step() if state is None else state
+    if state is None:
+        raise ValueError("sum_per_document needs a CP step: call it inside train_ctx() or pass state=")
+    if values_1L.shape != (1, state.local_len):
+        raise ValueError(f"values must be this rank's [1, {state.local_len}] shard, got {tuple(values_1L.shape)}")
+    ids = state.geometry.doc_ids.to(values_1L.device)
+    docs = int(ids.max())
+    local_ids = ids[state.positions.to(values_1L.device)]
+    sums = values_1L.new_zeros(docs + 1).index_add(0, local_ids, values_1L[0])[1:]
+    return _SumOverGroup.apply(sums, state.group) if state.group is not None and state.world > 1 else sums
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) over `group` forward; identity backward (see `sum_per_document`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
