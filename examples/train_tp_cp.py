@@ -56,9 +56,9 @@ def replica_rows(dp_rank: int, steps: int, seq_len: int):
     return pack_rows(stdlib_documents(), steps, seq_len, seed=2000 + dp_rank)
 
 
-def single_process_run(dp: int, steps: int, seq_len: int, lr: float = 3e-3) -> dict:
+def single_process_run(dp: int, steps: int, seq_len: int, lr: float = 3e-3, dtype: torch.dtype = torch.float32) -> dict:
     """The same training in one process, unsharded, transformers' own SDPA: losses, last grads, params."""
-    model = make_model("sdpa", torch.float32)
+    model = make_model("sdpa", dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     streams = [replica_rows(d, steps, seq_len) for d in range(dp)]
     losses = []
@@ -67,7 +67,8 @@ def single_process_run(dp: int, steps: int, seq_len: int, lr: float = 3e-3) -> d
         for rows in streams:
             row = rows[step]
             logits = model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False).logits
-            loss_sum = loss_sum + F.cross_entropy(logits[0].float(), row.targets[0], ignore_index=-100, reduction="sum")
+            loss_sum = loss_sum + F.cross_entropy(logits[0].to(torch.promote_types(dtype, torch.float32)),
+                                                  row.targets[0], ignore_index=-100, reduction="sum")
             tokens += int((row.targets != -100).sum())
         loss = loss_sum / tokens
         opt.zero_grad()
@@ -89,12 +90,11 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-@one_line_errors
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    mesh, device = start_mesh({"dp": args.dp, "cp": args.cp, "tp": args.tp})
+def train(args: argparse.Namespace, mesh, device: torch.device, dtype: torch.dtype = torch.float32) -> dict:
+    """The TP x CP training of `args` on `mesh` (dimensions ``dp``, ``cp``, ``tp``): the losses, and the
+    last gradients and final parameters as whole tensors (collectives over ``tp``: every rank calls it)."""
     dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
-    model = make_model("blockdiag_cp", torch.float32).to(device)
+    model = make_model("blockdiag_cp", dtype).to(device)
     tensor_parallel(model, mesh["tp"])
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     rows = replica_rows(mesh.get_local_rank("dp"), args.steps, args.seq_len)
@@ -106,7 +106,8 @@ def main(argv=None) -> None:
         with train_ctx() as state:
             logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
             targets = batch["shift_labels"][0]
-            loss_sum = F.cross_entropy(logits[0].float(), targets, ignore_index=-100, reduction="sum")
+            loss_sum = F.cross_entropy(logits[0].to(torch.promote_types(dtype, torch.float32)), targets,
+                                       ignore_index=-100, reduction="sum")
             # the token mean over dp x cp (TP ranks hold the same tokens: counted once), gradients summed below
             loss, value = token_mean_loss(loss_sum, (targets != -100).sum(), group=dp_cp.get_group())
             opt.zero_grad()
@@ -117,10 +118,17 @@ def main(argv=None) -> None:
         if dist.get_rank() == 0:
             print(f"step {step + 1}/{args.steps}  loss {value.item():.6f}  exchange={state.exchange.name} "
                   f"kernel={state.kernel.name}  tp={mesh['tp'].size()}", flush=True)
-    grads = {n: full(p.grad) for n, p in model.named_parameters()}
-    params = {n: full(p.detach()) for n, p in model.named_parameters()}
+    return {"losses": losses, "grads": {n: full(p.grad) for n, p in model.named_parameters()},
+            "params": {n: full(p.detach()) for n, p in model.named_parameters()}}
+
+
+@one_line_errors
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    mesh, device = start_mesh({"dp": args.dp, "cp": args.cp, "tp": args.tp})
+    result = train(args, mesh, device)
     if args.save and dist.get_rank() == 0:
-        torch.save({"losses": losses, "grads": grads, "params": params}, args.save)
+        torch.save(result, args.save)
     finish()
 
 

@@ -6,67 +6,28 @@ import torch
 
 pytest.importorskip("transformers")
 
-STEPS, SEQ_LEN = 2, 96
+STEPS, SEQ_LEN, LR = 2, 96, 1e-2
 
 
-def rows():
-    from blockdiag_cp.tools.demo import pack_rows, stdlib_documents
+def recipe():
+    from examples_module import example
 
-    return pack_rows(stdlib_documents(), STEPS, SEQ_LEN, seed=5)
-
-
-def single_process():
-    """No parallelism: transformers' SDPA on the packed row (float64), AdamW. Losses, last grads, params."""
-    from blockdiag_cp.tools.demo import make_model
-
-    model = make_model("sdpa", torch.float64)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for row in rows():
-        logits = model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(logits[0], row.targets[0], ignore_index=-100)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {n: p.grad for n, p in model.named_parameters()}, {n: p.detach() for n, p in model.named_parameters()}
+    return example("train_tp_cp")
 
 
 def tp_cp_worker(rank, world, order, layout, ulysses):
-    """cp=2 x tp=2 (mesh dimensions in `order`), float64: the example's plan, loss and gradient reduction."""
-    import torch.nn.functional as F
-    from examples_module import example
+    """cp=2 x tp=2 (mesh dimensions in `order`, after dp=1), fp64: the example's own `train`."""
+    import argparse
+
     from torch.distributed.device_mesh import init_device_mesh
 
-    import blockdiag_cp.hf  # noqa: F401
-    from blockdiag_cp import CPConfig, make_cp_blockdiag_batch_and_ctx
-    from blockdiag_cp.loss import add_shift_labels, token_mean_loss
-    from blockdiag_cp.parallel import reduce_gradients
-    from blockdiag_cp.tools.demo import make_model
-
-    recipe = example("train_tp_cp")
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=order)
-    model = make_model("blockdiag_cp", torch.float64)
-    recipe.tensor_parallel(model, mesh["tp"])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for row in rows():
-        batch = add_shift_labels({"input_ids": row.input_ids, "position_ids": row.position_ids})
-        train_ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh["cp"], mesh["tp"], batch,
-                                                           config=CPConfig(layout=layout, ulysses_degree=ulysses))
-        with train_ctx():
-            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-            targets = batch["shift_labels"][0]
-            loss_sum = F.cross_entropy(logits[0], targets, ignore_index=-100, reduction="sum")
-            loss, value = token_mean_loss(loss_sum, (targets != -100).sum(), group=mesh["cp"].get_group())
-            opt.zero_grad()
-            loss.backward()
-        reduce_gradients(model.parameters(), mesh["cp"])
-        opt.step()
-        losses.append(value.item())
-    kinds = {type(p).__name__ for p in model.parameters()}
-    return (losses, {n: recipe.full(p.grad) for n, p in model.named_parameters()},
-            {n: recipe.full(p.detach()) for n, p in model.named_parameters()}, kinds)
+    example = recipe()
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", *order))
+    args = argparse.Namespace(steps=STEPS, seq_len=SEQ_LEN, lr=LR, layout=layout, ulysses_degree=ulysses)
+    result = example.train(args, mesh, torch.device("cpu"), torch.float64)
+    model = example.make_model("blockdiag_cp", torch.float64)
+    example.tensor_parallel(model, mesh["tp"])  # the plan `train` applies: both kinds of parameter
+    return result, {type(p).__name__ for p in model.parameters()}
 
 
 @pytest.mark.parametrize("order, layout, ulysses", [
@@ -75,12 +36,12 @@ def tp_cp_worker(rank, world, order, layout, ulysses):
     pytest.param(("cp", "tp"), "balanced", 2, marks=pytest.mark.slow),  # one head per rank: Ulysses inside TP
 ])
 def test_tp2_x_cp2_trains_like_one_process(order, layout, ulysses, rank_pools):
-    ref_losses, ref_grads, ref_params = single_process()
-    for losses, grads, params, kinds in rank_pools(4).run(tp_cp_worker, order, layout, ulysses):
+    reference = recipe().single_process_run(dp=1, steps=STEPS, seq_len=SEQ_LEN, lr=LR, dtype=torch.float64)
+    for result, kinds in rank_pools(4).run(tp_cp_worker, order, layout, ulysses):
         assert kinds == {"DTensor", "Parameter"}, kinds  # both kinds of parameter were reduced
-        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-10, (losses, ref_losses)
-        assert max(float((grads[n] - g).abs().max()) for n, g in ref_grads.items()) < 1e-10
-        assert max(float((params[n] - p).abs().max()) for n, p in ref_params.items()) < 1e-10
+        assert max(abs(a - b) for a, b in zip(result["losses"], reference["losses"])) < 1e-10
+        for key in ("grads", "params"):
+            assert max(float((result[key][n] - t).abs().max()) for n, t in reference[key].items()) < 1e-10, key
 
 
 def overlap_worker(rank, world):

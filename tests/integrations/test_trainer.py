@@ -86,18 +86,6 @@ def test_trainer_with_head_parallel_cp_equals_the_run_without_cp(tmp_path):
     assert_same_run(cp_lines, reference, tmp_path / "p.pt", loss_tol=2e-4, param_tol=1e-5)
 
 
-@pytest.mark.slow
-def test_trainer_with_torch_compile_and_checkpointing_equals_the_run_without_cp(tmp_path):
-    """TrainingArguments(torch_compile=True) at dp=1 x cp=2 with activation checkpointing: the compiled
-    model (one opaque attention op per layer) trains as transformers' Trainer does without CP."""
-    trainer_example = example("train_trainer")
-    common = ["--steps", "4", "--checkpointing"]
-    cp_lines = torchrun(2, "train_trainer.py", "--cp", "2", "--compile", "aot_eager", "--save", str(tmp_path / "p.pt"),
-                        *common)
-    reference = trainer_example.run(trainer_example.parse_args(["--cp", "0", *common]))
-    assert_same_run(cp_lines, reference, tmp_path / "p.pt", loss_tol=2e-6, param_tol=1e-6)
-
-
 #: whole epochs over sets that do not divide into batches: short last train and eval batches, with the
 #: Trainer's defaults (dataloader_drop_last=False, accelerate's even_batches=True)
 PARTIAL = ["--train-docs", "30", "--batch", "4", "--accum", "2", "--eval-docs", "7", "--eval-batch", "3",
@@ -105,13 +93,15 @@ PARTIAL = ["--train-docs", "30", "--batch", "4", "--accum", "2", "--eval-docs", 
 
 
 @pytest.mark.slow
-def test_partial_last_batches_at_dp1_equal_the_run_without_cp(tmp_path):
-    """dp=1 x cp=2, a stream of padding-free rows, activation checkpointing: without CP one process
-    reads every batch as it comes, the short last one too (no samples repeated from the start); eval
-    loss and predicted logits are the unsharded run's."""
+def test_partial_last_batches_at_dp1_compiled_equal_the_run_without_cp(tmp_path):
+    """dp=1 x cp=2, a stream of padding-free rows, activation checkpointing, TrainingArguments(
+    torch_compile=True): without CP (and without compile) one process reads every batch as it comes,
+    the short last one too (no samples repeated from the start); eval loss and predicted logits are
+    the unsharded run's, through the compiled model (one opaque attention op per layer)."""
     trainer_example = example("train_trainer")
     common = [*PARTIAL, "--iterable", "--steps", "6", "--checkpointing"]  # a stream has no length: steps cross the epoch's end
-    cp_lines = torchrun(2, "train_trainer.py", "--cp", "2", "--save", str(tmp_path / "p.pt"), *common)
+    cp_lines = torchrun(2, "train_trainer.py", "--cp", "2", "--compile", "aot_eager", "--save", str(tmp_path / "p.pt"),
+                        *common)
     reference = trainer_example.run(trainer_example.parse_args(["--cp", "0", *common]))
     assert_same_run(cp_lines, reference, tmp_path / "p.pt", loss_tol=2e-6, param_tol=1e-6)
 

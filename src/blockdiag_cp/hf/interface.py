@@ -38,6 +38,7 @@ from ..opaque import opaque_attention
 from ..step.attend import LayerFeatures, attend_row, autocast_inputs, refuse_late_recompute
 from ..step.slot import STEP_SLOT, current_step
 from ..step.state import StepState
+from ..eager import eager_under_compile
 
 ATTN_IMPLEMENTATION = "blockdiag_cp"
 #: when the in-step refusal of unrouted token mixers runs, for its message
@@ -124,7 +125,7 @@ def _attend_one_row(module, query, key, value, attention_mask, dropout, scaling,
                             sliding_window=features.sliding_window, softcap=features.softcap, enable_gqa=True)
 
 
-@torch.compiler.disable
+@eager_under_compile
 def _attend_row_eagerly(*args: Any) -> torch.Tensor:
     """`attend_row`, run eagerly under torch.compile (a graph break)."""
     return attend_row(*args)
@@ -172,7 +173,7 @@ def blockdiag_cp_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
     return sdpa_mask(*args, **kwargs)
 
 
-@torch.compiler.disable
+@eager_under_compile
 def _refuse_unrouted_in_step(config: Any) -> None:
     """The in-step refusal for a config that declares token mixers, against the kinds the running model
     routes (`CallNotes.routed_mixers`); read from the step, so not traced (hybrid models only)."""

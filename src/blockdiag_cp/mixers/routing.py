@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from ..step.doc_ids import position_breaks
 from ..step.slot import STEP_SLOT, current_step
+from ..eager import eager_under_compile
 
 #: attribute set on a routed mixer instance: the layer kinds it serves (``("conv",)``)
 ROUTED_KIND = "blockdiag_cp_mixer_kind"
@@ -113,8 +114,8 @@ OWN_FORWARD = "blockdiag_cp_own_forward"
 def _route(per_document: Callable) -> Callable:
     """Decorator: `per_document(module, state, hidden_states)` runs when `per_document_state` gives a
     state, else the instance's own forward (kept as `OWN_FORWARD`). It plans on the host, so under
-    torch.compile it runs eagerly (a graph break around each routed mixer, exact)."""
-    @torch.compiler.disable
+    torch.compile it runs eagerly (`eager_under_compile`: a graph break around each routed mixer, exact)."""
+    @eager_under_compile
     @functools.wraps(per_document)
     def forward(module, hidden_states, cache=None, attention_mask=None, **kwargs):
         state = per_document_state(module, hidden_states, attention_mask, kwargs, cache)
@@ -261,7 +262,7 @@ def _hand_marks_from(layer: torch.nn.Module) -> None:
     layer.register_forward_hook(_take_marks_back, always_call=True)
 
 
-@torch.compiler.disable  # host work on the call's marks: not traced
+@eager_under_compile  # host work on the call's marks: not traced
 def _lend_marks(layer: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     if len(args) > 1:  # positional arguments past hidden_states: name them (transformers passes keywords)
         kwargs = inspect.signature(layer.forward).bind_partial(*args, **kwargs).arguments
@@ -287,7 +288,7 @@ def _packed(call: Optional[RowMarks]) -> bool:
     return ids.dim() == 2 and ids.shape[0] == 1 and bool(position_breaks(ids).any())
 
 
-@torch.compiler.disable  # host work on the call's marks: not traced
+@eager_under_compile  # host work on the call's marks: not traced
 def _take_marks_back(layer: torch.nn.Module, *_: Any) -> None:
     _set_marks(layer, None)
 
@@ -298,7 +299,7 @@ def _set_marks(layer: torch.nn.Module, marks: Optional[RowMarks]) -> None:
             setattr(child, ROW_MARKS, marks)
 
 
-@torch.compiler.disable  # host work on the call's marks: not traced
+@eager_under_compile  # host work on the call's marks: not traced
 def _note_the_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook of a prepared model. Inside a step: the step learns which mixer kinds the
     model routes. Outside: its lending layers keep the call's marks (`MODEL_CALL`), so that one
@@ -312,7 +313,7 @@ def _note_the_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         setattr(layer, MODEL_CALL, call)
 
 
-@torch.compiler.disable  # host work on the call's marks: not traced
+@eager_under_compile  # host work on the call's marks: not traced
 def _end_the_call(model: torch.nn.Module, *_: Any) -> None:
     for layer in getattr(model, LENDERS, ()):
         setattr(layer, MODEL_CALL, None)
