@@ -108,11 +108,11 @@ def many_docs_cases():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [3])
-def test_hundreds_of_documents_per_rank_match_the_oracle(world):
+def test_hundreds_of_documents_per_rank_match_the_oracle(world, rank_pools):
     """The batching of tiny pieces (padded buckets, equal shapes) is exact, forward and backward."""
     cases = many_docs_cases()
     assert sum(n > 0 for n in cases[0].segments) >= 300
-    per_rank = spawn(parity_worker, world, cases, timeout=600)
+    per_rank = rank_pools(world).run(parity_worker, cases)
     for results in per_rank:
         assert len(results) == len(cases)
         for r in results:

@@ -121,7 +121,7 @@ def reference():
 @pytest.mark.parametrize("world, layout, checkpointing", [
     (2, "balanced", None),
     (1, "contiguous", "non_reentrant"),
-    pytest.param(3, "contiguous", "reentrant", marks=pytest.mark.slow),
+    pytest.param(2, "contiguous", "reentrant", marks=pytest.mark.slow),
     pytest.param(2, "balanced", "non_reentrant", marks=pytest.mark.slow),
 ])
 def test_fullgraph_compiled_layers_in_a_cp_step_train_like_the_run_without_cp(world, layout, checkpointing,
@@ -158,30 +158,28 @@ def test_outside_a_step_a_compiled_packed_row_equals_eager():
 
 
 @pytest.mark.slow
-def test_rows_of_changing_length_recompile_once(rank_pools):
-    """10 steps, each row of another length and other documents: one recompile (the length becomes
-    dynamic), then none."""
-    for graphs in rank_pools(2).run(count_graphs_over_rows, 10):
-        assert graphs[0] == 1 and graphs[-1] == 2 and graphs[2:] == [2] * 8, graphs
+def test_rows_of_changing_length_recompile_once():
+    """10 steps (a one-process step: what dynamo guards on does not depend on cp), each row of
+    another length and other documents: one recompile (the length becomes dynamic), then none."""
+    graphs = count_graphs_over_rows(10)
+    assert graphs[0] == 1 and graphs[-1] == 2 and graphs[2:] == [2] * 8, graphs
 
 
-def count_graphs_over_rows(rank, world, steps):
+def count_graphs_over_rows(steps):
     import torch._dynamo
     from torch._dynamo.utils import counters
-    from torch.distributed.device_mesh import init_device_mesh
 
     from blockdiag_cp import make_cp_blockdiag_batch_and_ctx
 
     torch._dynamo.reset()
     counters.clear()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     model = make_model(dtype=torch.float32)
     compiled = torch.compile(model, backend=BACKEND)
     graphs = []
     for step in range(steps):
         ids, lengths = rows(1, seq_len=40 + 5 * step, seed=step)[0]
-        train_ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh["cp"], None, {"input_ids": ids,
-                                                                              "position_ids": positions(lengths)})
+        train_ctx, batch = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": ids,
+                                                                        "position_ids": positions(lengths)})
         with train_ctx():
             compiled(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits.sum().backward()
         graphs.append(counters["stats"]["unique_graphs"])
@@ -269,6 +267,7 @@ def test_a_compiled_prepared_hybrid_equals_eager(family="nemotron_h"):
     assert max(float((p.grad - w).abs().max()) for p, w in zip(model.parameters(), want)) < 1e-12
 
 
+@pytest.mark.filterwarnings("ignore:blockdiag-cp kernel='auto' uses 'dense'")
 def test_attention_dropout_under_compile_draws_one_mask_for_a_layer_and_its_recompute():
     """Dropout inside the compiled attention: with non-reentrant checkpointing (recompute in backward)
     the loss and every gradient equal the run without checkpointing from the same seed, so the
