@@ -1,10 +1,9 @@
 """Forward and backward parity with the dense float64 oracle on real gloo collectives.
 
-One spawn per world runs the whole matrix (scenario x exchange x kernel x layout, plus
+One rank-pool run per world computes the whole matrix (scenario x exchange x kernel x layout, plus
 activation checkpointing); each test then asserts one exchange's slice of it.
 """
 
-import functools
 
 import pytest
 
@@ -15,15 +14,23 @@ from scenarios import EXCHANGES, matrix_cases
 TOL = 1e-10
 
 
-@functools.lru_cache(maxsize=None)
-def results_for(world: int):
-    return spawn(parity_worker, world, matrix_cases(world), timeout=600)
+@pytest.fixture(scope="module")
+def results_for(rank_pools):
+    """``results_for(world)``: every rank's results for the whole matrix of that world, run once."""
+    cache = {}
+
+    def get(world: int):
+        if world not in cache:
+            cache[world] = rank_pools(world).run(parity_worker, matrix_cases(world))
+        return cache[world]
+
+    return get
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("exchange", EXCHANGES)
-def test_matches_float64_oracle(world, exchange):
+def test_matches_float64_oracle(world, exchange, results_for):
     per_rank = results_for(world)
     checked, bad = 0, []
     for rank, results in enumerate(per_rank):
@@ -60,7 +67,7 @@ def expected_routing(case, world):
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
-def test_every_exchange_routes_as_it_should(world):
+def test_every_exchange_routes_as_it_should(world, results_for):
     """allgather, a2a and ring run as named; halo and auto run exactly what the geometry calls for."""
     checked = 0
     for results in results_for(world):
@@ -75,7 +82,7 @@ def test_every_exchange_routes_as_it_should(world):
 
 
 @pytest.mark.slow  # the world-4 parity grid (4 ranks on 2 cores): the full suite runs it
-def test_halo_with_document_over_three_ranks_falls_back_exactly():
+def test_halo_with_document_over_three_ranks_falls_back_exactly(results_for):
     per_rank = results_for(4)
     spanning = [r for results in per_rank for r in results
                 if r.case.kv_exchange == "halo" and r.case.segments == (37,) and r.case.layout == "contiguous"]

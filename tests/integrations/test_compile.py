@@ -122,7 +122,6 @@ def reference():
     (2, "balanced", None),
     (1, "contiguous", "non_reentrant"),
     pytest.param(2, "contiguous", "reentrant", marks=pytest.mark.slow),
-    pytest.param(2, "balanced", "non_reentrant", marks=pytest.mark.slow),
 ])
 def test_fullgraph_compiled_layers_in_a_cp_step_train_like_the_run_without_cp(world, layout, checkpointing,
                                                                               reference, rank_pools):
