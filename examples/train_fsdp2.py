@@ -26,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 import blockdiag_cp.hf  # noqa: F401  registers attn_implementation="blockdiag_cp"
 from blockdiag_cp import CPConfig, make_cp_blockdiag_batch_and_ctx
 from blockdiag_cp.loss import add_shift_labels, token_mean_loss
-from blockdiag_cp.tools.demo import make_model, pack_rows, stdlib_documents
+from blockdiag_cp.tools.demo import make_model, pack_rows, stdlib_documents, train_unsharded
 
 
 def parse_args() -> argparse.Namespace:
@@ -47,23 +47,7 @@ def replica_rows(dp_rank: int, steps: int, seq_len: int):
 
 def single_process_losses(dp: int, steps: int, seq_len: int, lr: float = 3e-3) -> list[float]:
     """The same training in one process, unsharded, transformers' own SDPA: the loss per step."""
-    model = make_model("sdpa", torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    streams = [replica_rows(d, steps, seq_len) for d in range(dp)]
-    losses = []
-    for step in range(steps):
-        loss_sum, tokens = 0.0, 0
-        for rows in streams:
-            row = rows[step]
-            logits = model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False).logits
-            loss_sum = loss_sum + F.cross_entropy(logits[0].float(), row.targets[0], ignore_index=-100, reduction="sum")
-            tokens += int((row.targets != -100).sum())
-        loss = loss_sum / tokens
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return train_unsharded([replica_rows(d, steps, seq_len) for d in range(dp)], torch.float32, lr)["losses"]
 
 
 def shard_model(model, mesh) -> None:

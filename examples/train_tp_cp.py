@@ -27,7 +27,7 @@ import blockdiag_cp.hf  # noqa: F401  registers attn_implementation="blockdiag_c
 from blockdiag_cp import CPConfig, make_cp_blockdiag_batch_and_ctx
 from blockdiag_cp.loss import add_shift_labels, token_mean_loss
 from blockdiag_cp.parallel import reduce_gradients
-from blockdiag_cp.tools.demo import make_model, pack_rows, stdlib_documents
+from blockdiag_cp.tools.demo import make_model, pack_rows, stdlib_documents, train_unsharded
 
 #: Megatron-style plan of one Llama decoder layer
 LAYER_PLAN = {
@@ -58,25 +58,7 @@ def replica_rows(dp_rank: int, steps: int, seq_len: int):
 
 def single_process_run(dp: int, steps: int, seq_len: int, lr: float = 3e-3, dtype: torch.dtype = torch.float32) -> dict:
     """The same training in one process, unsharded, transformers' own SDPA: losses, last grads, params."""
-    model = make_model("sdpa", dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    streams = [replica_rows(d, steps, seq_len) for d in range(dp)]
-    losses = []
-    for step in range(steps):
-        loss_sum, tokens = 0.0, 0
-        for rows in streams:
-            row = rows[step]
-            logits = model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False).logits
-            loss_sum = loss_sum + F.cross_entropy(logits[0].to(torch.promote_types(dtype, torch.float32)),
-                                                  row.targets[0], ignore_index=-100, reduction="sum")
-            tokens += int((row.targets != -100).sum())
-        loss = loss_sum / tokens
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return {"losses": losses, "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return train_unsharded([replica_rows(d, steps, seq_len) for d in range(dp)], dtype, lr)
 
 
 def tensor_parallel(model, tp_mesh) -> None:

@@ -44,6 +44,15 @@ def test_tp2_x_cp2_trains_like_one_process(order, layout, ulysses, rank_pools):
             assert max(float((result[key][n] - t).abs().max()) for n, t in reference[key].items()) < 1e-10, key
 
 
+def value_error(fn, *args):
+    """The message of the `ValueError` that ``fn(*args)`` raises, or None if it returns."""
+    try:
+        fn(*args)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def overlap_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -51,11 +60,7 @@ def overlap_worker(rank, world):
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     batch = {"input_ids": torch.zeros(1, 8, dtype=torch.long)}
-    try:
-        make_cp_blockdiag_batch_and_ctx(mesh["cp"], mesh["cp"], batch)
-    except ValueError as exc:
-        return str(exc)
-    return None
+    return value_error(make_cp_blockdiag_batch_and_ctx, mesh["cp"], mesh["cp"], batch)
 
 
 def test_a_tp_mesh_over_the_cp_group_is_refused_on_every_rank(rank_pools):
@@ -83,12 +88,7 @@ def reduce_worker(rank, world):
     reduce_gradients([plain], mesh, average=True)
     partial = torch.nn.Parameter(DTensor.from_local(torch.zeros(1), mesh, [Partial()]))
     partial.grad = DTensor.from_local(torch.zeros(1), mesh, [Partial()])
-    try:
-        reduce_gradients([partial], mesh)
-        refused = None
-    except ValueError as exc:
-        refused = str(exc)
-    return out, plain.grad.tolist(), refused
+    return out, plain.grad.tolist(), value_error(reduce_gradients, [partial], mesh)
 
 
 def test_reduce_gradients_sums_plain_and_dtensor_gradients(rank_pools):
@@ -108,11 +108,7 @@ def mismatch_worker(rank, world):
     params[0].grad = torch.ones(2)
     if rank == 1:  # this rank also has the second gradient: the buffers would differ
         params[1].grad = torch.ones(2)
-    try:
-        reduce_gradients(params, dist.group.WORLD)
-    except ValueError as exc:
-        return str(exc)
-    return None
+    return value_error(reduce_gradients, params, dist.group.WORLD)
 
 
 def test_ranks_holding_other_gradients_fail_together(rank_pools):

@@ -17,6 +17,7 @@ import inspect
 import os
 import random
 import time
+from typing import Any, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -97,17 +98,36 @@ def _optimizer(model):
 
 def reference_losses(rows: list[PackedRow], dtype: torch.dtype) -> list[float]:
     """transformers alone: the unsharded packed row, SDPA, masks from position_ids."""
+    return train_unsharded([rows], dtype, weight_decay=0.0)["losses"]
+
+
+def train_unsharded(
+    streams: Sequence[Sequence[PackedRow]], dtype: torch.dtype, lr: float = 3e-3, weight_decay: float = 0.01,
+) -> dict[str, Any]:
+    """The run without any parallelism, in one process: transformers' SDPA on the unsharded rows.
+
+    Step ``t`` takes row ``t`` of every stream (the rows the dp replicas train on together) and
+    their token mean; AdamW. Returns ``{"losses": [...], "grads": {name: the last step's},
+    "params": {name: final}}``: what the examples' parallel runs are compared with.
+    """
     model = make_model("sdpa", dtype)
-    opt = _optimizer(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     losses = []
-    for row in rows:
-        logits = model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(logits[0].float(), row.targets[0], ignore_index=-100)
+    for rows in zip(*streams):
+        loss_sum, tokens = 0.0, 0
+        for row in rows:
+            logits = model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False).logits
+            loss_sum = loss_sum + torch.nn.functional.cross_entropy(
+                logits[0].to(torch.promote_types(dtype, torch.float32)), row.targets[0], ignore_index=-100,
+                reduction="sum")
+            tokens += int((row.targets != -100).sum())
+        loss = loss_sum / tokens
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return losses
+    return {"losses": losses, "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
 def cp_worker(rank: int, world: int, rows, dtype_name, layout, exchange, kernel, reference):
