@@ -60,6 +60,7 @@ of the run without CP.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from dataclasses import dataclass
@@ -73,6 +74,8 @@ from . import hf  # noqa: F401  (registers attn_implementation="blockdiag_cp")
 from .step.batch import TrainCtx, check_seq_dims, make_cp_blockdiag_batch_and_ctx
 from .config import CPConfig
 from .errors import CPTypeError
+from .hf.scoring import STEP_ONLY_KEYS, ScoringSession
+from .replica import ReplicaAccelerator, first_cp_rank_rows, share_from_cp_rank0
 from .step.gather import gather_sequence
 from .mixers import prepare_model, refuse_unrouted_mixers
 from .step.rows import flatten_rows
@@ -85,16 +88,19 @@ if not all(hasattr(transformers.Trainer, hook) for hook in ("get_cp_size", "_pre
         f"{transformers.__version__}: pip install -U 'transformers>=5.0'"
     )
 
-#: keys the step adds for its own bookkeeping; the model never sees them
-STEP_ONLY_KEYS = ("_packed_seq_ids", "padding_mask")
-
 #: (module, class) of the transformers / TRL trainers whose batches are language-model rows
-#: (token ids with per-token labels), the only batches the mixin shards
-SUPPORTED_TRAINERS = frozenset({
+#: (token ids with per-token labels): the mixin flattens and shards each batch
+ROW_TRAINERS = frozenset({
     ("transformers.trainer", "Trainer"),
     ("trl.trainer.base_trainer", "_BaseTrainer"),
     ("trl.trainer.sft_trainer", "SFTTrainer"),
 })
+#: TRL trainers that score padded rows with the fused LM head: each scoring forward runs as a
+#: packed row under CP (Note [Scoring forwards under CP] in hf/scoring.py), the trainer's own
+#: code per replica (Note [Trainer code runs per replica, the model per CP rank] in replica.py)
+SCORING_TRAINERS = frozenset({("trl.trainer.dpo_trainer", "DPOTrainer")})
+#: scoring trainers that also generate their rows (completions shared by the CP ranks of a replica)
+GENERATING_TRAINERS = frozenset({("trl.trainer.grpo_trainer", "GRPOTrainer")})
 
 
 @dataclass(frozen=True)
@@ -144,11 +150,13 @@ class BlockDiagCPMixin:
         if cp_config is not None and not isinstance(cp_config, CPConfig):
             raise CPTypeError(f"cp_config must be a CPConfig, got {type(cp_config).__name__}")
         self.seq_dims = check_seq_dims(seq_dims)
-        _refuse_unsupported_trainer(type(self))
+        self._kind = _trainer_kind(type(self))
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         _refuse_accelerate_cp(getattr(training_args, "parallelism_config", None))
         _refuse_rank_aware_sampler(training_args, cp_size)
         _no_batch_dispatch(training_args)
+        if self._kind == "generating":
+            _generation_batch_per_replica(training_args, cp_size)
         super().__init__(*args, **kwargs)
         _refuse_accelerate_cp(getattr(self.accelerator, "parallelism_config", None))  # e.g. from an accelerate YAML
         world = self.args.world_size
@@ -157,11 +165,22 @@ class BlockDiagCPMixin:
         self.cp_size, self.cp_config = cp_size, CPConfig() if cp_config is None else cp_config
         self.dp_size = world // cp_size
         _refuse_uneven_replicas(self.accelerator.even_batches, self.args.dataloader_drop_last, self.dp_size)
-        prepare_model(self.model)  # supported hybrid mixers run per document inside the steps
-        refuse_unrouted_mixers(self.model, f"in {type(self).__name__} (packed rows{' under CP' if cp_size > 1 else ''})")
-        self.cp_mesh, self.dp_rank = _cp_mesh(self.dp_size, cp_size, self.args.device)
+        self.cp_mesh, self.dp_rank, self._dp_group = _cp_mesh(self.dp_size, cp_size, self.args.device)
         self._cp_step: Optional[StepRows] = None
-        _use_blockdiag_attention(self.model)
+        self._scoring = ScoringSession(self.cp_mesh, self.cp_config)
+        for model in self._scored_models():
+            prepare_model(model)  # supported hybrid mixers run per document inside the steps
+            refuse_unrouted_mixers(model, f"in {type(self).__name__} (packed rows{' under CP' if cp_size > 1 else ''})")
+            _use_blockdiag_attention(model)
+            if self._kind != "rows":
+                self._scoring.install(model)
+        if self._kind != "rows" and cp_size > 1 and getattr(self, "aux_loss_enabled", False):
+            raise ValueError("the MoE load-balancing loss (output_router_logits) is not additive over CP shards of a "
+                             "scored row; turn it off or train without CP")
+        if self._kind == "generating" and cp_size > 1:
+            from accelerate.utils import set_seed
+
+            set_seed(self.args.seed + self.dp_rank)  # as the replica's process is seeded without CP (seed + its index)
 
     # -- the Trainer's hooks ------------------------------------------------------------
 
@@ -180,7 +199,11 @@ class BlockDiagCPMixin:
 
     def _prepare_context_parallel_inputs(self, model, inputs):
         """The Trainer's CP hook: flatten, shard and return ``(train_ctx, inputs)``; forward and
-        backward of `training_step` (and the loss of `prediction_step`) run inside ``train_ctx()``."""
+        backward of `training_step` (and the loss of `prediction_step`) run inside ``train_ctx()``.
+        A scoring trainer's inputs pass unchanged: its forwards are sharded as they come
+        (Note [Scoring forwards under CP] in hf/scoring.py)."""
+        if self._kind != "rows":
+            return self._scoring, inputs
         batch = {k: v.to(self.args.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         primary = batch.get("input_ids", batch.get("inputs_embeds"))
         rows = tuple(primary.shape[:2]) if isinstance(primary, torch.Tensor) and primary.dim() >= 2 else (1, 0)
@@ -194,7 +217,11 @@ class BlockDiagCPMixin:
 
     def compute_loss(self, model, inputs, *args: Any, **kwargs: Any):
         """The Trainer's (or TRL's) loss; TRL's logged ``num_tokens`` then counts the real tokens
-        of the step, not the padding the CP row adds."""
+        of the step, not the padding the CP row adds. A scoring trainer's loss and metrics are
+        computed per replica (Note [Trainer code runs per replica, the model per CP rank])."""
+        if self._kind != "rows":
+            with self._scoring(), self._per_replica():
+                return super().compute_loss(model, inputs, *args, **kwargs)
         counted = getattr(self, "_total_train_tokens", None)
         result = super().compute_loss(model, inputs, *args, **kwargs)
         step = self._cp_step
@@ -205,7 +232,11 @@ class BlockDiagCPMixin:
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The Trainer's prediction step; under CP, each CP rank then holds its replica's loss (the
-        CP ranks' mean) and the unsharded logits, shaped as the collator's rows."""
+        CP ranks' mean) and the unsharded logits, shaped as the collator's rows. A scoring
+        trainer's step runs per replica, its forwards under CP."""
+        if self._kind != "rows":
+            with self._scoring(), self._per_replica():
+                return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         self._cp_step = None
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         step, self._cp_step = self._cp_step, None
@@ -237,6 +268,47 @@ class BlockDiagCPMixin:
         seen = self.state.num_input_tokens_seen - before
         self.state.num_input_tokens_seen = before + seen // self.cp_size
 
+    def _prepare_inputs(self, inputs):
+        """The trainer's input preparation; a generating trainer's (generation, rewards, the old and
+        reference log-probs) runs per replica, its scoring forwards under CP."""
+        if self._kind != "generating":
+            return super()._prepare_inputs(inputs)
+        with self._per_replica():
+            return super()._prepare_inputs(inputs)
+
+    def _generate(self, prompts):
+        """TRL's generation on every CP rank, then CP rank 0's completions (and RNG state) on all of them."""
+        return share_from_cp_rank0(super()._generate(prompts), self._cp_group())
+
+    def _calculate_rewards(self, *args: Any, **kwargs: Any):
+        """TRL's rewards, gathered over the world, kept once per replica (CP rank 0's rows)."""
+        rewards = super()._calculate_rewards(*args, **kwargs)
+        return rewards if self.cp_size == 1 else first_cp_rank_rows(rewards, self.dp_size, self.cp_size)
+
+    def _scored_models(self) -> list[torch.nn.Module]:
+        """The policy and, for scoring trainers, the reference model (unwrapped)."""
+        models = [self.model]
+        ref = getattr(self, "ref_model", None) if self._kind != "rows" else None
+        if isinstance(ref, torch.nn.Module):
+            models.append(self.accelerator.unwrap_model(ref))
+        return models
+
+    def _cp_group(self):
+        return None if self.cp_mesh is None else self.cp_mesh.get_group()
+
+    @contextlib.contextmanager
+    def _per_replica(self):
+        """`self.accelerator` as this rank's dp replica sees it, for the block (Note in replica.py)."""
+        real = self.accelerator
+        if self.cp_size == 1 or isinstance(real, ReplicaAccelerator):
+            yield
+            return
+        self.accelerator = ReplicaAccelerator(real, self._dp_group, self.dp_size, self.dp_rank)
+        try:
+            yield
+        finally:
+            self.accelerator = real
+
     def _gather_over_replicas(self, data, use_gather_object: bool = False):
         """``gather_for_metrics`` over the dp replicas: the world's gather, one CP rank per replica,
         then the last batch trimmed to the dataset's remainder."""
@@ -254,27 +326,33 @@ class BlockDiagCPMixin:
         return data
 
     def _first_cp_rank_rows(self, gathered: torch.Tensor) -> torch.Tensor:
-        """``[world * n, ...]`` gathered in rank order -> ``[dp * n, ...]``: CP rank 0 of each replica."""
-        by_rank = gathered.reshape(self.dp_size, self.cp_size, -1, *gathered.shape[1:])
-        return by_rank[:, 0].reshape(-1, *gathered.shape[1:])
+        return first_cp_rank_rows(gathered, self.dp_size, self.cp_size)
 
 
 class BlockDiagCPTrainer(BlockDiagCPMixin, transformers.Trainer):
     """`transformers.Trainer` with block-diagonal CP (see `BlockDiagCPMixin`)."""
 
 
-def _refuse_unsupported_trainer(cls: type) -> None:
-    """`ValueError` if a transformers or TRL trainer in `cls`'s MRO is not one whose batches are LM rows."""
+def _trainer_kind(cls: type) -> str:
+    """``"rows"``, ``"scoring"`` or ``"generating"`` (the most specific of `cls`'s transformers / TRL
+    bases); a `ValueError` if one of them is none of these."""
+    kinds = {**dict.fromkeys(ROW_TRAINERS, "rows"), **dict.fromkeys(SCORING_TRAINERS, "scoring"),
+             **dict.fromkeys(GENERATING_TRAINERS, "generating")}
+    found = []
     for base in cls.__mro__:
-        library = base.__module__.split(".")[0]
-        if library in ("transformers", "trl") and (base.__module__, base.__qualname__) not in SUPPORTED_TRAINERS:
+        if base.__module__.split(".")[0] not in ("transformers", "trl"):
+            continue
+        kind = kinds.get((base.__module__, base.__qualname__))
+        if kind is None:
             raise ValueError(
-                f"BlockDiagCPMixin does not support {base.__qualname__} ({base.__module__}): its batches are not "
-                "language-model rows (token ids with per-token labels), e.g. chosen/rejected pairs or generated "
-                "completions, so sharding them would be wrong or crash inside the trainer. Supported: "
-                "transformers.Trainer and trl.SFTTrainer (and your own subclasses of them); train this one without "
-                "the mixin."
+                f"BlockDiagCPMixin does not support {base.__qualname__} ({base.__module__}): it is neither a trainer of "
+                "language-model rows (token ids with per-token labels) nor one of the scoring trainers whose forwards "
+                "the mixin shards, so sharding its batches would be wrong or crash inside the trainer. Supported: "
+                "transformers.Trainer, trl.SFTTrainer, trl.DPOTrainer and trl.GRPOTrainer (and your own subclasses "
+                "of them); train this one without the mixin."
             )
+        found.append(kind)
+    return found[0] if found else "rows"
 
 
 def _refuse_uneven_replicas(even_batches: bool, drop_last: bool, dp: int) -> None:
@@ -318,15 +396,32 @@ def _no_batch_dispatch(training_args) -> None:
 
 
 def _cp_mesh(dp: int, cp: int, device: torch.device):
-    """``(cp sub-mesh or None, dp rank)`` of a ``(dp, cp)`` DeviceMesh over the world."""
+    """``(cp sub-mesh or None, dp rank, dp process group or None)`` of a ``(dp, cp)`` DeviceMesh over
+    the world (the dp group joins the ranks of this rank's CP index, one per replica)."""
     if not (dist.is_available() and dist.is_initialized()):
         if dp * cp != 1:
             raise ValueError("cp_size > 1 needs torch.distributed: launch with torchrun")
-        return None, 0
+        return None, 0, None
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
-    return mesh["cp"], mesh.get_local_rank("dp")
+    return mesh["cp"], mesh.get_local_rank("dp"), mesh["dp"].get_group()
+
+
+def _generation_batch_per_replica(training_args, cp: int) -> None:
+    """TRL sized the generation batch for every process (``per_device x world x steps_per_generation``);
+    under CP the ``cp`` ranks of a replica share one batch, so it is ``per_device x dp x steps``, as
+    without CP (``steps_per_generation`` is kept: set that one, not ``generation_batch_size``)."""
+    steps = getattr(training_args, "steps_per_generation", None)
+    if cp == 1 or training_args is None or not steps:
+        return
+    dp = training_args.world_size // cp
+    size = training_args.per_device_train_batch_size * dp * steps
+    generations = getattr(training_args, "num_generations", 1) or 1
+    if size % generations:
+        raise ValueError(f"the generation batch of a replica step, per_device_train_batch_size x dp x "
+                         f"steps_per_generation = {size}, must be divisible by num_generations={generations}")
+    training_args.generation_batch_size = size
 
 
 def _use_blockdiag_attention(model) -> None:

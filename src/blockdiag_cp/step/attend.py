@@ -87,13 +87,14 @@ def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
     (Under autocast, Llama-style RoPE returns q/k in float32 while v is already in the
     autocast dtype; SDPA casts all three, so a drop-in must too.) Without autocast the
-    inputs pass unchanged, and mismatched dtypes are an error later.
+    inputs pass unchanged, and mismatched dtypes are an error later. Float64 inputs are not
+    cast (autocast leaves float64 ops alone: SDPA runs them in float64).
     """
     device_type = tensors[0].device.type
     if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
-    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in tensors)
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype not in (dtype, torch.float64) else t for t in tensors)
 
 
 @dataclass(frozen=True)
