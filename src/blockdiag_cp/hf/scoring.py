@@ -50,6 +50,8 @@ PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "
 CALL_OPTIONS = ("fused_lm_head", "use_cache", "output_router_logits", "num_items_in_batch", "return_dict")
 #: keys the step adds for its own bookkeeping; the model never sees them
 STEP_ONLY_KEYS = ("_packed_seq_ids", "padding_mask")
+#: the row tensors a scoring forward may carry (text rows; images are not sharded on this path)
+ROW_KEYS = ("input_ids", "attention_mask", "labels", "position_ids", "token_type_ids")
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,10 @@ class ScoringSession:
                 )
             return self._kept
         rows = {k: v for k, v in kwargs.items() if k not in CALL_OPTIONS and v is not None and k != "shift_labels"}
+        unknown = sorted(k for k in rows if k not in ROW_KEYS)
+        if unknown:
+            raise ValueError(f"a scoring forward under CP shards text rows ({', '.join(ROW_KEYS)}); it cannot shard "
+                             f"{', '.join(unknown)} (e.g. images of a vision-language model): train this one without CP")
         batch = flatten_rows(rows)
         ctx, batch = make_cp_blockdiag_batch_and_ctx(self.cp_mesh, None, batch, config=self.config)
         for key_name in (*STEP_ONLY_KEYS, "labels"):

@@ -1,0 +1,66 @@
+"""One dp replica's view (`replica.py`) on a (dp 2, cp 2) mesh of gloo ranks: the accelerator's
+gathers and reductions span the replicas once each, and CP rank 0's completions and RNG state
+reach every CP rank of its replica."""
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+
+
+class FakeAccelerator:
+    """What `ReplicaAccelerator` delegates to: a world process index and a gradient state."""
+
+    class gradient_state:  # noqa: N801  (an attribute bag, as accelerate's)
+        end_of_dataloader, remainder = False, -1
+
+    def __init__(self, rank):
+        self.process_index, self.num_processes, self.device = rank, 4, torch.device("cpu")
+
+
+def replica_worker(rank, world):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from blockdiag_cp.replica import ReplicaAccelerator, first_cp_rank_rows, share_from_cp_rank0
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    dp_rank, cp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("cp")
+    view = ReplicaAccelerator(FakeAccelerator(rank), mesh["dp"].get_group(), 2, dp_rank)
+    values = torch.tensor([10.0 * dp_rank, 10.0 * dp_rank + 1])  # the same on both CP ranks of a replica
+    gathered = view.gather({"v": values, "n": torch.tensor(3.0 + dp_rank)})
+    world_gathered = [torch.empty(2) for _ in range(world)]
+    dist.all_gather(world_gathered, values)
+    torch.manual_seed(100 + rank)  # the CP ranks' generators differ before sharing
+    shared = share_from_cp_rank0({"completion": [rank, dp_rank]}, mesh["cp"].get_group())
+    return {
+        "index": (view.process_index, view.num_processes, view.device.type),
+        "gathered": gathered, "sum": view.reduce(values), "mean": view.reduce(values, "mean"),
+        "dedup": first_cp_rank_rows(torch.cat(world_gathered), 2, 2), "shared": shared,
+        "draw": torch.rand(3), "cp_rank": cp_rank,
+    }
+
+
+def test_the_replica_view_gathers_over_replicas_and_shares_cp_rank0(rank_pools):
+    results = rank_pools(4).run(replica_worker)
+    for rank, r in enumerate(results):
+        dp_rank = rank // 2
+        assert r["index"] == (dp_rank, 2, "cpu")
+        assert torch.equal(r["gathered"]["v"], torch.tensor([0.0, 1.0, 10.0, 11.0]))
+        assert torch.equal(r["gathered"]["n"], torch.tensor([3.0, 4.0]))
+        assert torch.equal(r["sum"], torch.tensor([10.0, 12.0])) and torch.equal(r["mean"], torch.tensor([5.0, 6.0]))
+        assert torch.equal(r["dedup"], torch.tensor([0.0, 1.0, 10.0, 11.0]))
+        assert r["shared"] == {"completion": [2 * dp_rank, dp_rank]}  # CP rank 0's value
+        assert torch.equal(r["draw"], results[2 * dp_rank]["draw"])  # and its generator state
+    assert not torch.equal(results[0]["draw"], results[2]["draw"])  # replicas keep their own
+
+
+def test_bad_reductions_are_clear_errors():
+    from blockdiag_cp.replica import ReplicaAccelerator
+
+    view = ReplicaAccelerator(FakeAccelerator(0), None, 1, 0)
+    with pytest.raises(ValueError, match="reduction"):
+        view.reduce(torch.ones(2), "max")
+    with pytest.raises(ValueError, match="use_gather_object"):
+        view.gather_for_metrics([1], use_gather_object=True)
+    assert torch.equal(view.gather(torch.tensor(2.0)), torch.tensor([2.0]))
