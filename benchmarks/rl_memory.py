@@ -8,9 +8,15 @@ and backward on the same rows, a group of `--group` completions of `--completion
 after a 64-token prompt. Generation stays outside CP (each replica generates as without
 CP), so its memory is the same at every cp and is not part of this step.
 
-Prints, per cp: the step's peak RSS above the RSS before it (per rank; one fresh process
-per rank and setting, so the peaks are not shared), the bytes a rank sends during the
-step, and what one all-gather of the ``[S, vocab]`` float32 logits would send instead.
+TRL's fused head works on tiles of 4096 tokens x the vocabulary (a fixed cost, not linear
+in tokens; its buffer is 4096 x 32768 floats), so the default vocabulary is small enough
+for the activations, which CP shards, to show.
+
+Prints, for cp 1 at the full and at half the completion length and for cp 2 at the full
+length: the step's peak RSS above the RSS before it (per rank; one fresh process per rank
+and setting, so the peaks are not shared), the bytes a rank sends during the step, and
+what one all-gather of the ``[S, vocab]`` float32 logits would send instead. A rank's
+peak follows its tokens: cp 2 at the full length is cp 1 at half of it.
 Results: docs/rl.md.
 """
 
@@ -42,11 +48,10 @@ def scoring_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    config = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+    config = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 16,
                                       attn_implementation="blockdiag_cp")
     model = transformers.LlamaForCausalLM(config)
-    model.gradient_checkpointing_enable({"use_reentrant": False})
     model.train()
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)) if world > 1 else None
@@ -71,10 +76,10 @@ def scoring_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--completion", type=int, default=4096)
+    p.add_argument("--completion", type=int, default=8192)
     p.add_argument("--group", type=int, default=4, help="completions per prompt (the rows of the step)")
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--cps", default="1,2")
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--cps", default="2", help="CP sizes beside cp 1 at the full and at half the completion length")
     return p.parse_args(argv)
 
 
@@ -82,16 +87,19 @@ def main() -> None:
     from blockdiag_cp.testing import spawn
 
     args = parse_args()
-    S = args.group * (PROMPT + args.completion)
-    print(f"GRPO scoring step: {args.group} completions x {args.completion} tokens (+{PROMPT} prompt), S = {S}, "
-          f"vocab {args.vocab}, Llama hidden 256 x 2 layers, fp32, activation checkpointing, gloo on CPU")
-    print("| cp | tokens/rank | step peak RSS GB/rank (max) | MB sent/rank | a [S, vocab] fp32 logits all-gather, MB/rank |")
-    print("|---|---|---|---|---|")
-    for cp in (int(c) for c in args.cps.split(",")):
-        per_rank = spawn(scoring_worker, cp, args, timeout=1800)
-        logits_mb = (cp - 1) / cp * S * args.vocab * 4 / 1e6
-        print(f"| {cp} | {per_rank[0]['tokens_per_rank']} | {max(r['step_peak_gb'] for r in per_rank):.2f} "
-              f"| {max(r['sent_mb'] for r in per_rank):.1f} | {logits_mb:.0f} |", flush=True)
+    print(f"GRPO scoring step: {args.group} completions (+{PROMPT}-token prompt) per row set, vocab {args.vocab}, "
+          "Llama hidden 512 x 2 layers, fp32, no activation checkpointing, gloo on CPU")
+    print("| cp | completion tokens | S | tokens/rank | step peak RSS GB/rank (max) | MB sent/rank "
+          "| a [S, vocab] fp32 logits all-gather, MB/rank |")
+    print("|---|---|---|---|---|---|---|")
+    half = argparse.Namespace(**{**vars(args), "completion": args.completion // 2})
+    for cp, setting in [(1, args), (1, half)] + [(int(c), args) for c in args.cps.split(",") if int(c) > 1]:
+        S = setting.group * (PROMPT + setting.completion)
+        per_rank = spawn(scoring_worker, cp, setting, timeout=1800)
+        logits_mb = (cp - 1) / cp * S * setting.vocab * 4 / 1e6
+        print(f"| {cp} | {setting.completion} | {S} | {per_rank[0]['tokens_per_rank']} "
+              f"| {max(r['step_peak_gb'] for r in per_rank):.2f} | {max(r['sent_mb'] for r in per_rank):.1f} "
+              f"| {logits_mb:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

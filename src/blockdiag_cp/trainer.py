@@ -75,7 +75,7 @@ from .step.batch import TrainCtx, check_seq_dims, make_cp_blockdiag_batch_and_ct
 from .config import CPConfig
 from .errors import CPTypeError
 from .hf.scoring import STEP_ONLY_KEYS, ScoringSession
-from .replica import ReplicaAccelerator, first_cp_rank_rows, share_from_cp_rank0
+from .hf.replica import ReplicaAccelerator, first_cp_rank_rows, share_from_cp_rank0
 from .step.gather import gather_sequence
 from .mixers import prepare_model, refuse_unrouted_mixers
 from .step.rows import flatten_rows
@@ -97,7 +97,7 @@ ROW_TRAINERS = frozenset({
 })
 #: TRL trainers that score padded rows with the fused LM head: each scoring forward runs as a
 #: packed row under CP (Note [Scoring forwards under CP] in hf/scoring.py), the trainer's own
-#: code per replica (Note [Trainer code runs per replica, the model per CP rank] in replica.py)
+#: code per replica (Note [Trainer code runs per replica, the model per CP rank] in hf/replica.py)
 SCORING_TRAINERS = frozenset({("trl.trainer.dpo_trainer", "DPOTrainer")})
 #: scoring trainers that also generate their rows (completions shared by the CP ranks of a replica)
 GENERATING_TRAINERS = frozenset({("trl.trainer.grpo_trainer", "GRPOTrainer")})
@@ -298,7 +298,7 @@ class BlockDiagCPMixin:
 
     @contextlib.contextmanager
     def _per_replica(self):
-        """`self.accelerator` as this rank's dp replica sees it, for the block (Note in replica.py)."""
+        """`self.accelerator` as this rank's dp replica sees it, for the block (Note in hf/replica.py)."""
         real = self.accelerator
         if self.cp_size == 1 or isinstance(real, ReplicaAccelerator):
             yield

@@ -1,4 +1,4 @@
-"""One dp replica's view (`replica.py`) on a (dp 2, cp 2) mesh of gloo ranks: the accelerator's
+"""One dp replica's view (`hf/replica.py`) on a (dp 2, cp 2) mesh of gloo ranks: the accelerator's
 gathers and reductions span the replicas once each, and CP rank 0's completions and RNG state
 reach every CP rank of its replica."""
 
@@ -22,7 +22,7 @@ def replica_worker(rank, world):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from blockdiag_cp.replica import ReplicaAccelerator, first_cp_rank_rows, share_from_cp_rank0
+    from blockdiag_cp.hf.replica import ReplicaAccelerator, first_cp_rank_rows, share_from_cp_rank0
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
     dp_rank, cp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("cp")
@@ -56,7 +56,7 @@ def test_the_replica_view_gathers_over_replicas_and_shares_cp_rank0(rank_pools):
 
 
 def test_bad_reductions_are_clear_errors():
-    from blockdiag_cp.replica import ReplicaAccelerator
+    from blockdiag_cp.hf.replica import ReplicaAccelerator
 
     view = ReplicaAccelerator(FakeAccelerator(0), None, 1, 0)
     with pytest.raises(ValueError, match="reduction"):

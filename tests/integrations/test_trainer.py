@@ -227,6 +227,13 @@ def test_autocast_casts_like_sdpa_and_mismatches_still_raise():
     assert torch.allclose(out[:, :, :5].float(), expected.float(), atol=2e-2)
     with ctx(), pytest.raises(ValueError, match="dtypes differ"):
         cp_blockdiag_sdpa(q, q, v)
+    q64 = q.double()
+    with ctx(), torch.autocast("cpu", dtype=torch.bfloat16):  # float64 stays float64, as SDPA keeps it
+        out64 = cp_blockdiag_sdpa(q64, q64, q64)
+        sdpa64 = torch.nn.functional.scaled_dot_product_attention(q64[:, :, :5], q64[:, :, :5], q64[:, :, :5],
+                                                                  is_causal=True)
+    assert out64.dtype == sdpa64.dtype == torch.float64
+    assert torch.allclose(out64[:, :, :5], sdpa64, atol=1e-12)
 
 
 def test_flatten_rows_keeps_documents_inside_rows():

@@ -33,8 +33,8 @@ def arguments(trainer_example, tmp_path, **changes):
     return args
 
 
-@pytest.mark.parametrize("name", ["DPOTrainer", "GRPOTrainer", "KTOTrainer", "RewardTrainer", "RLOOTrainer"])
-def test_trainers_whose_batches_are_not_lm_rows_are_refused_by_name(name):
+@pytest.mark.parametrize("name", ["KTOTrainer", "RewardTrainer", "RLOOTrainer", "DistillationTrainer"])
+def test_trainers_the_mixin_cannot_shard_are_refused_by_name(name):
     trl = pytest.importorskip("trl")
     mixed = type(f"CP{name}", (BlockDiagCPMixin, getattr(trl, name)), {})
     with pytest.raises(ValueError, match=f"does not support {name}"):
@@ -47,6 +47,24 @@ def test_seq2seq_trainer_is_refused_and_user_subclasses_are_not(trainer_example,
     mine = type("MyTrainer", (BlockDiagCPTrainer,), {"compute_loss": BlockDiagCPTrainer.compute_loss})
     trainer = mine(model=trainer_example.tiny_llama(), args=arguments(trainer_example, tmp_path), cp_size=1)
     assert trainer.cp_size == 1
+
+
+def test_grpo_generation_batch_is_sized_per_replica():
+    from types import SimpleNamespace
+
+    from blockdiag_cp.trainer import _generation_batch_per_replica, _trainer_kind
+
+    args = SimpleNamespace(world_size=4, per_device_train_batch_size=3, steps_per_generation=2, num_generations=6,
+                           generation_batch_size=24)  # TRL's count over all 4 processes
+    _generation_batch_per_replica(args, 2)
+    assert args.generation_batch_size == 12  # 2 replicas x 3 x 2 steps, as without CP
+    args.num_generations = 5
+    with pytest.raises(ValueError, match="divisible by num_generations=5"):
+        _generation_batch_per_replica(args, 2)
+    trl = pytest.importorskip("trl")
+    mine = type("MyGRPO", (BlockDiagCPMixin, trl.GRPOTrainer), {})
+    assert (_trainer_kind(mine), _trainer_kind(type("D", (trl.DPOTrainer,), {})), _trainer_kind(BlockDiagCPTrainer)) == (
+        "generating", "scoring", "rows")
 
 
 def test_uneven_replicas_that_would_hang_are_refused():

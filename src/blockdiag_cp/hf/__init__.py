@@ -4,6 +4,7 @@
                   ``AttentionInterface`` / ``AttentionMaskInterface`` (nothing is monkeypatched)
     vlm.py        make_cp_vlm_batch_and_ctx: a packed vision-language row to a sharded CP step
     load.py       from_pretrained / from_config: the implementation set and the model prepared
+    scoring.py    ScoringSession: TRL's fused-head scoring forwards on padded rows, as one packed row under CP
 
 `prepare_model(model)` (from `blockdiag_cp.mixers`) routes a hybrid model's supported token
 mixers per document, on packed rows and inside CP steps. The Trainer mixin is `blockdiag_cp.trainer`.
@@ -12,6 +13,7 @@ mixers per document, on packed rows and inside CP steps. The Trainer mixin is `b
 from ..mixers import prepare_model
 from .interface import ATTN_IMPLEMENTATION, blockdiag_cp_attention, blockdiag_cp_mask, register
 from .load import from_config, from_pretrained
+from .scoring import ScoringSession
 from .vlm import make_cp_vlm_batch_and_ctx, vlm_model_inputs
 
 register()
@@ -25,5 +27,6 @@ __all__ = (
     "make_cp_vlm_batch_and_ctx",
     "prepare_model",
     "register",
+    "ScoringSession",
     "vlm_model_inputs",
 )
