@@ -421,6 +421,10 @@ def _generation_batch_per_replica(training_args, cp: int) -> None:
     if size % generations:
         raise ValueError(f"the generation batch of a replica step, per_device_train_batch_size x dp x "
                          f"steps_per_generation = {size}, must be divisible by num_generations={generations}")
+    if training_args.generation_batch_size != size:
+        logger.warning("blockdiag-cp: generation_batch_size %s -> %d (per_device_train_batch_size x dp=%d x "
+                       "steps_per_generation=%d: the CP ranks of a replica share its batch)",
+                       training_args.generation_batch_size, size, dp, steps)
     training_args.generation_batch_size = size
 
 

@@ -41,6 +41,7 @@ def replica_worker(rank, world):
     }
 
 
+@pytest.mark.slow  # a world of 4 importing accelerate: 7 s of the fast loop
 def test_the_replica_view_gathers_over_replicas_and_shares_cp_rank0(rank_pools):
     results = rank_pools(4).run(replica_worker)
     for rank, r in enumerate(results):

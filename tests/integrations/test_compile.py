@@ -120,7 +120,7 @@ def reference():
 
 @pytest.mark.parametrize("world, layout, checkpointing", [
     (2, "balanced", None),
-    (1, "contiguous", "non_reentrant"),
+    pytest.param(1, "contiguous", "non_reentrant", marks=pytest.mark.slow),
     pytest.param(2, "contiguous", "reentrant", marks=pytest.mark.slow),
 ])
 def test_fullgraph_compiled_layers_in_a_cp_step_train_like_the_run_without_cp(world, layout, checkpointing,
@@ -139,6 +139,7 @@ def test_whole_model_compile_in_a_cp_step_has_no_graph_break(reference, rank_poo
         assert result[3]["breaks"] == 0 and result[3]["graphs"] == 1, result[3]  # one graph, over 3 different rows
 
 
+@pytest.mark.slow
 def test_outside_a_step_a_compiled_packed_row_equals_eager():
     import torch._dynamo
     from torch._dynamo.utils import counters

@@ -41,16 +41,6 @@ def assert_same_params(got, want, tol=1e-6):
 
 
 @pytest.mark.slow
-def test_dpo_under_cp_equals_dpo_without_cp(tmp_path):
-    """cp 2, gradient checkpointing (DPO's default), a reference model: loss, rewards, margins, params."""
-    dpo = example("train_dpo")
-    steps, params = cp_run(tmp_path, 2, "train_dpo.py", "--cp", "2")
-    reference = dpo.run(dpo.parse_args(["--cp", "0", "--float64"]))
-    assert_same_steps(steps, reference["steps"], DPO_KEYS)
-    assert_same_params(params, reference["params"])
-
-
-@pytest.mark.slow
 def test_grpo_under_cp_equals_grpo_without_cp(tmp_path):
     """cp 2, 2 accumulated micro-batches per generation: generation, rewards, KL to the reference
     model, the DAPO loss; the final parameters."""
@@ -63,8 +53,10 @@ def test_grpo_under_cp_equals_grpo_without_cp(tmp_path):
 
 @pytest.mark.slow
 def test_dpo_and_grpo_at_dp2_cp2_equal_the_runs_without_cp(tmp_path):
-    """dp 2 x cp 2. GRPO's prompt groups span both replicas (2 completions per replica, 4 per prompt):
-    the rewards are normalized over the replicas once each, not once per CP rank."""
+    """dp 2 x cp 2 (each replica is a cp 2 run: DPO at cp 2 alone is not run again). DPO: gradient
+    checkpointing (its default) and a reference model. GRPO: prompt groups span both replicas (2
+    completions per replica, 4 per prompt), so the rewards are normalized over the replicas once
+    each, not once per CP rank."""
     dpo = example("train_dpo")
     steps, params = cp_run(tmp_path, 4, "train_dpo.py", "--cp", "2")
     reference = dpo.run(dpo.parse_args(["--cp", "0", "--dp", "2", "--float64"]))

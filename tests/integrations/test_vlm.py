@@ -12,7 +12,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from blockdiag_cp.testing import spawn  # noqa: E402
 
 
 IMAGE, VIDEO, V_START, V_END, TIMESTAMP = 60, 61, 62, 63, 7
@@ -196,11 +195,11 @@ def check_errors(per_rank, layout):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("train_vision", [True, False])
-def test_a_rank_with_no_image_to_encode_still_pairs_the_exchange(train_vision):
+def test_a_rank_with_no_image_to_encode_still_pairs_the_exchange(train_vision, rank_pools):
     """One image at cp = 3: two ranks encode nothing, yet join the all-gather and its backward
-    (a frozen vision tower: no backward exchange on any rank)."""
+    (a frozen vision tower: no backward exchange on any rank). A hang fails the pool's task."""
     spec = ((2, [("image", (1, 4, 8))], 3), (5, [], 4))
-    per_rank = spawn(vlm_worker, 3, "qwen3_vl", ("balanced",), spec, train_vision, timeout=240)  # a hang fails
+    per_rank = rank_pools(3).run(vlm_worker, "qwen3_vl", ("balanced",), spec, train_vision)
     assert sorted(r["balanced"][1] for r in per_rank) == [0, 0, 32]
     check_errors(per_rank, "balanced")
 
