@@ -48,6 +48,12 @@ def test_bench_rejects_bad_document_spec():
         doc_lengths("lots", 100)
     assert sum(doc_lengths("uniform:7", 100)) == 100
     assert doc_lengths("30,40", 100) == (30, 40, -30)
+    assert doc_lengths("powerlaw:50:1.2", 4096) == doc_lengths("powerlaw:50", 4096)  # 1.2: the default shape
+    heavy, light = doc_lengths("powerlaw:300:1.1", 32768), doc_lengths("powerlaw:300:2.0", 32768)
+    assert sum(heavy) == sum(light) == 32768 and max(heavy) > max(light)  # the smaller shape, the heavier tail
+    for bad in ("powerlaw:50:0", "powerlaw:50:x", "uniform:5:2"):
+        with pytest.raises(ValueError, match="--docs"):
+            doc_lengths(bad, 100)
 
 
 def test_verify_passes_on_spawned_ranks(capsys):

@@ -93,3 +93,29 @@ def test_dense_dropout_is_seeded_and_unbiased_in_expectation():
     b, _, _ = kernel.forward(plan, q, k, v, CallOptions(0.3, 0.5))
     assert torch.equal(a, b)
     assert abs(a.mean().item() - 1.0) < 0.1  # with v == 1 the undropped output is exactly 1
+
+
+def test_first_touch_calls_write_each_gradient_row_once_and_zero_only_the_rest():
+    """Note [First-touch gradient rows]: the squares write their query and key rows; a prefix call
+    is first on keys no earlier call read, and adds onto the others; padding rows and keys no
+    first-touch call writes are the rows zeroed first."""
+    from blockdiag_cp.kernels.sdpa import fused_call_table
+
+    t = lambda *v: torch.tensor(v)  # noqa: E731
+    # query rows: piece A [0, 4) and piece B [5, 8) of one document; row 4 is padding.
+    # key buffer: [0, 2) keys received from another rank, [2, 6) piece A's, [6, 9) piece B's,
+    # [9, 11) keys of a block only a non-causal (ring-style) item reads, twice.
+    items = ItemTable(t(0, 5), t(4, 3), t(0, 0), t(6, 9), torch.tensor([True, True]), 8, 11)
+    calls = list(fused_call_table(items, torch.device("cpu")))
+    shapes = [(c.causal, c.merge, c.q.length, c.k.length, c.q_first, c.k_first) for c in calls]
+    assert shapes == [
+        (True, False, 8, 8, True, True),  # both squares, bucketed into one call: first on q and k
+        (False, True, 4, 2, False, True),  # A's prefix: first to read the received keys
+        (False, True, 3, 6, False, False),  # B's prefix: every key it reads was read before
+    ], shapes
+    table = fused_call_table(items, torch.device("cpu"))
+    assert table.zero_q_rows.tolist() == [4] and table.zero_k_rows.tolist() == [9, 10]
+    ring = ItemTable(t(0, 4), t(4, 4), t(9, 9), t(2, 2), torch.tensor([False, False]), 8, 11)
+    (shared,) = fused_call_table(ring, torch.device("cpu"))
+    assert (shared.q_first, shared.k_first) == (True, False)  # both items read keys 9-10: they must add
+    assert fused_call_table(ring, torch.device("cpu")).zero_k_rows.tolist() == list(range(11))

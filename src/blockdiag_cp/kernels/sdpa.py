@@ -32,7 +32,18 @@ whole ``[H, L, D]``. The call table, built once per step, groups the pieces:
   exact shape.
 
 Forward keeps each call's gathered q/k/v for backward, which gathers only dO, o and
-lse (once per row) and scatter-adds dq/dk/dv (pads into the dummy rows).
+lse (once per row) and writes dq/dk/dv (pads into the dummy rows).
+
+Note [First-touch gradient rows]
+--------------------------------
+A row of dq, dk or dv is written by every call that reads it. The call table marks,
+per call and side, whether the call is the *first* to touch each of its rows (no earlier
+call read any of them, and no row repeats inside the call): such a call copies its
+gradient rows in (`Rows.put`); later calls add (`Rows.add`). Only rows that no
+first-touch call writes are zero-filled first (`zero_q_rows`, `zero_k_rows`: padding
+rows, and keys only a merging call reads). So backward does not zero whole ``[L, H, D]``
+and ``[N, Hk, D]`` buffers and then add every call into them: one write per row, one add
+per further reader.
 
 Note [Head-major call inputs]
 -----------------------------
@@ -151,12 +162,15 @@ class Rows:
 
 @dataclass(frozen=True)
 class FusedCall:
-    """One fused call over ``G`` items of one shape; `merge` if its rows already hold a partial result."""
+    """One fused call over ``G`` items of one shape; `merge` if its rows already hold a partial result;
+    `q_first` / `k_first`: it is the first call to touch its query / key rows (Note [First-touch gradient rows])."""
 
     causal: bool
     merge: bool
     q: Rows
     k: Rows
+    q_first: bool = False
+    k_first: bool = False
 
 
 def _rows(starts: list[int], reals: list[int], length: int, dummy: int, device: torch.device, step: int = 1) -> Rows:
@@ -174,10 +188,18 @@ def _rows(starts: list[int], reals: list[int], length: int, dummy: int, device: 
 
 @dataclass(frozen=True)
 class FusedCallTable:
-    """A step's fused calls (first-touch calls first) and the query rows that no call touches."""
+    """A step's fused calls (first-touch calls first) and the rows to zero before they run.
+
+    Attributes:
+        untouched_rows: query rows no call touches (padding): their output is 0.
+        zero_q_rows, zero_k_rows: the dq and dk/dv rows no first-touch call writes
+            (Note [First-touch gradient rows]); ``[n]`` int64 on the device, like the above.
+    """
 
     calls: tuple[FusedCall, ...]
-    untouched_rows: torch.Tensor  # [n] int64 on the device: padding rows, whose output is 0
+    untouched_rows: torch.Tensor
+    zero_q_rows: torch.Tensor
+    zero_k_rows: torch.Tensor
 
     def __len__(self) -> int:
         return len(self.calls)
@@ -187,10 +209,32 @@ class FusedCallTable:
 
 
 def fused_call_table(items: ItemTable, device: torch.device) -> FusedCallTable:
-    """`fused_calls` and the rows they leave untouched."""
+    """`fused_calls`, the query rows they leave untouched and the gradient rows to zero first."""
     touched = torch.zeros(items.num_q_rows, dtype=torch.bool)
     touched[concat_ranges(items.q_start, items.q_len)] = True
-    return FusedCallTable(fused_calls(items, device), torch.nonzero(~touched).flatten().to(device))
+    written_q = torch.zeros(items.num_q_rows, dtype=torch.bool)
+    written_k = torch.zeros(items.num_k_rows, dtype=torch.bool)
+    calls = fused_calls(items, device, written_q, written_k)
+    rows = (torch.nonzero(~mask).flatten().to(device) for mask in (touched, written_q, written_k))
+    return FusedCallTable(calls, *rows)
+
+
+class FirstTouch:
+    """Which rows earlier calls touched, to mark each call's first-touch sides (Note [First-touch gradient rows])."""
+
+    def __init__(self, written: torch.Tensor) -> None:
+        self.seen, self.written = torch.zeros_like(written), written
+
+    def mark(self, starts: list[int], reals: list[int], step: int) -> bool:
+        """Whether none of these rows (``reals[i]`` rows from ``starts[i]``, upwards or downwards) was
+        touched before and none repeats; marks them touched, and written if so."""
+        start, real = torch.tensor(starts), torch.tensor(reals)
+        rows = concat_ranges(start if step == 1 else start - real + 1, real)
+        first = not bool(self.seen[rows].any()) and torch.unique(rows).numel() == rows.numel()
+        self.seen[rows] = True
+        if first:
+            self.written[rows] = True
+        return first
 
 
 class CallGroup(NamedTuple):
@@ -214,9 +258,14 @@ class CallGroup(NamedTuple):
 Groups = dict[CallGroup, list[tuple[int, int, int, int]]]
 
 
-def fused_calls(items: ItemTable, device: torch.device) -> tuple[FusedCall, ...]:
+def fused_calls(items: ItemTable, device: torch.device, written_q: Optional[torch.Tensor] = None,
+                written_k: Optional[torch.Tensor] = None) -> tuple[FusedCall, ...]:
     """The calls of `items` (Notes [Bottom-right causal...], [Token-major rows and buckets] and
-    [Sliding windows from causal squares]). First-touch calls come first, merging calls after."""
+    [Sliding windows from causal squares]). First-touch calls come first, merging calls after.
+    `written_q` / `written_k` (``[num rows]`` bool, filled in): the rows first-touch calls write."""
+    written_q = torch.zeros(items.num_q_rows, dtype=torch.bool) if written_q is None else written_q
+    written_k = torch.zeros(items.num_k_rows, dtype=torch.bool) if written_k is None else written_k
+    touch_q, touch_k = FirstTouch(written_q), FirstTouch(written_k)
     groups: Groups = defaultdict(list)
     rows = zip(*(t.tolist() for t in (items.q_start, items.q_len, items.k_start, items.k_len, items.causal)))
     for q0, ql, k0, kl, causal in rows:
@@ -232,7 +281,8 @@ def fused_calls(items: ItemTable, device: torch.device) -> tuple[FusedCall, ...]
         q0s, qreal, k0s, kreal = (list(col) for col in zip(*members))
         q = _rows(q0s, qreal, group.q_rows, items.num_q_rows, device, group.step)
         k = _rows(k0s, kreal, group.k_rows, items.num_k_rows, device, group.step)
-        calls.append(FusedCall(group.causal, group.merge, q, k))
+        q_first, k_first = touch_q.mark(q0s, qreal, group.step), touch_k.mark(k0s, kreal, group.step)
+        calls.append(FusedCall(group.causal, group.merge, q, k, q_first, k_first))
     return tuple(calls)
 
 
@@ -314,8 +364,10 @@ class SdpaKernel(LseKernel):
         do_LHD, o_LHD, lse_LH = do_HLD.transpose(0, 1), o_HLD.transpose(0, 1), lse_HL.transpose(0, 1)
         acc = accumulate_dtype(q_HLD.dtype)
         (H, L, D), N = q_HLD.shape, k_HND.shape[1]
-        dq = torch.zeros(L + 1, H, D, dtype=acc, device=q_HLD.device)
-        dk, dv = (torch.zeros(N + 1, k_HND.shape[0], D, dtype=acc, device=q_HLD.device) for _ in range(2))
+        # first-touch calls write their rows; only the rest is zeroed (Note [First-touch gradient rows])
+        dq = torch.empty(L + 1, H, D, dtype=acc, device=q_HLD.device).index_fill_(0, calls.zero_q_rows, 0.0)
+        dk, dv = (torch.empty(N + 1, k_HND.shape[0], D, dtype=acc, device=q_HLD.device).index_fill_(
+            0, calls.zero_k_rows, 0.0) for _ in range(2))
         # In half precision the CPU fused backward sums grouped-query heads in that
         # precision; expand K/V heads and sum their gradients in float32 instead.
         groups = H // k_HND.shape[0] if q_HLD.element_size() < 4 and self.device_type == "cpu" else 1
@@ -330,8 +382,9 @@ class SdpaKernel(LseKernel):
             )
             if groups > 1:
                 dk_b, dv_b = (fold_heads(t.to(acc), groups, 1) for t in (dk_b, dv_b))
-            call.q.add(dq, call.q.unbatch(dq_b))
-            call.k.add(dk, call.k.unbatch(dk_b))
-            call.k.add(dv, call.k.unbatch(dv_b))
+            (call.q.put if call.q_first else call.q.add)(dq, call.q.unbatch(dq_b))
+            write_k = call.k.put if call.k_first else call.k.add
+            write_k(dk, call.k.unbatch(dk_b))
+            write_k(dv, call.k.unbatch(dv_b))
         return (dq[:-1].transpose(0, 1).to(q_HLD.dtype), dk[:-1].transpose(0, 1).to(k_HND.dtype),
                 dv[:-1].transpose(0, 1).to(v_HND.dtype))

@@ -59,8 +59,9 @@ class BenchResult:
 
 def doc_lengths(spec: str, seq_len: int, seed: int = 0) -> tuple[int, ...]:
     """Document lengths filling `seq_len`: explicit ``"a,b,c"`` (rest padded), ``one``,
-    ``uniform:N`` (N equal documents), ``powerlaw:N`` (N Pareto-distributed lengths),
-    ``mixed`` (one quarter-row document plus many short ones)."""
+    ``uniform:N`` (N equal documents), ``powerlaw:N`` (N Pareto-distributed lengths, shape
+    1.2; ``powerlaw:N:A`` for shape A: the smaller, the heavier the tail), ``mixed`` (one
+    quarter-row document plus many short ones)."""
     rng = random.Random(seed)
     if spec == "one":
         return (seq_len,)
@@ -72,22 +73,34 @@ def doc_lengths(spec: str, seq_len: int, seed: int = 0) -> tuple[int, ...]:
             out.append(n)
             rest -= n
         return tuple(out)
-    kind, sep, count = spec.partition(":")
+    kind, sep, rest = spec.partition(":")
     if sep:
-        if kind not in ("uniform", "powerlaw") or not count.isdigit():
-            raise ValueError(f"--docs {spec!r}: use 'a,b,c', 'one', 'mixed', 'uniform:N' or 'powerlaw:N'")
+        count, _, shape = rest.partition(":")
+        if kind not in ("uniform", "powerlaw") or not count.isdigit() or (shape and kind != "powerlaw"):
+            raise ValueError(f"--docs {spec!r}: use 'a,b,c', 'one', 'mixed', 'uniform:N' or 'powerlaw:N[:A]'")
+        alpha = _positive_float(shape, spec) if shape else 1.2
         n = int(count)
         if not 0 < n <= seq_len:
             raise ValueError(f"--docs {spec!r}: N must be between 1 and --seq-len {seq_len} (one token each at least)")
-        weights = [1.0] * n if kind == "uniform" else [rng.paretovariate(1.2) for _ in range(n)]
+        weights = [1.0] * n if kind == "uniform" else [rng.paretovariate(alpha) for _ in range(n)]
         return _split_tokens(seq_len, weights)
     try:
         lengths = tuple(int(v) for v in spec.split(","))
     except ValueError:
-        raise ValueError(f"--docs {spec!r}: use 'a,b,c', 'one', 'mixed', 'uniform:N' or 'powerlaw:N'") from None
+        raise ValueError(f"--docs {spec!r}: use 'a,b,c', 'one', 'mixed', 'uniform:N' or 'powerlaw:N[:A]'") from None
     if any(n <= 0 for n in lengths) or sum(lengths) > seq_len:
         raise ValueError(f"--docs {spec!r}: lengths must be positive and sum to at most --seq-len {seq_len}")
     return lengths + ((sum(lengths) - seq_len,) if sum(lengths) < seq_len else ())
+
+
+def _positive_float(text: str, spec: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise ValueError(f"--docs {spec!r}: the power-law shape A must be a positive number, got {text!r}")
+    return value
 
 
 def _split_tokens(seq_len: int, weights: list[float]) -> tuple[int, ...]:
