@@ -110,7 +110,7 @@ def test_seq_dims_reach_the_batch_and_bad_ones_are_refused(trainer_example, tmp_
         BlockDiagCPTrainer(model=trainer_example.tiny_llama(), args=args, cp_size=1, seq_dims={"per_layer_inputs": -1})
 
 
-@pytest.mark.parametrize("script, argv", [("train_fsdp2.py", []), ("train_trainer.py", ["--cp", "2"])])
+@pytest.mark.parametrize("script, argv", [("train_trainer.py", ["--cp", "2"])])  # every example: launch.require_torchrun
 @pytest.mark.slow
 def test_examples_started_without_torchrun_say_how_in_one_line(script, argv):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}

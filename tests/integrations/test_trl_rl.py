@@ -58,8 +58,8 @@ def test_dpo_and_grpo_at_dp2_cp2_equal_the_runs_without_cp(tmp_path):
     completions per replica, 4 per prompt), so the rewards are normalized over the replicas once
     each, not once per CP rank."""
     dpo = example("train_dpo")
-    steps, params = cp_run(tmp_path, 4, "train_dpo.py", "--cp", "2")
-    reference = dpo.run(dpo.parse_args(["--cp", "0", "--dp", "2", "--float64"]))
+    steps, params = cp_run(tmp_path, 4, "train_dpo.py", "--cp", "2", "--steps", "2")
+    reference = dpo.run(dpo.parse_args(["--cp", "0", "--dp", "2", "--float64", "--steps", "2"]))
     assert_same_steps(steps, reference["steps"], DPO_KEYS)
     assert_same_params(params, reference["params"])
     grpo_args = ("--batch", "2", "--steps", "2")
