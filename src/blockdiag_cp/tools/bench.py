@@ -39,6 +39,7 @@ class BenchSpec(ParityCase):
     impl: str = "blockdiag_cp"  # or "seed" (nemo-automodel's reference)
     world: int = 2
     repeats: int = 3
+    layers: int = 1  # > 1: a step of that many attention layers, the batch's sharding and planning timed too
 
     @property
     def seq_len(self) -> int:
@@ -139,9 +140,10 @@ def attention_leaves(x_1LX: torch.Tensor, heads: int, kv_heads: int, head_dim: i
     return [t.reshape(1, t.shape[1], -1, head_dim).transpose(1, 2).requires_grad_(True) for t in (q, k, v)]
 
 
-def _make_step(spec: BenchSpec, mesh):
-    """Return ``(train_ctx, local x, sdpa fn, exchange, kernel, work)`` for the implementation."""
-    x, doc_ids = _inputs(spec)
+def _make_step(spec: BenchSpec, mesh, inputs: tuple[torch.Tensor, torch.Tensor]):
+    """Return ``(train_ctx, local x, sdpa fn, exchange, kernel, work)`` for the implementation,
+    from the row's ``(x, doc ids)`` (made before any timer starts: drawing them is not the step)."""
+    x, doc_ids = inputs
     batch = {"inputs_embeds": x, "_packed_seq_ids": doc_ids}
     if spec.impl == "seed":
         from nemo_automodel.components.distributed.blockdiag_cp import batch as seed_batch
@@ -166,13 +168,18 @@ def bench_worker(rank: int, world: int, spec: BenchSpec) -> dict:
     base_rss = _rss_bytes()
     times, sent = [], []
     for i in range(spec.repeats + 1):
-        train_ctx, x_local, sdpa, exchange, kernel, work = _make_step(spec, mesh)
-        q, k, v = attention_leaves(x_local, spec.heads, spec.kv_heads, spec.head_dim)
+        inputs = _inputs(spec)
         dist.barrier()
-        t0, w0 = time.perf_counter(), bytes_written()
+        t_step = time.perf_counter()  # a step of several layers counts its sharding and planning too
+        train_ctx, x_local, sdpa, exchange, kernel, work = _make_step(spec, mesh, inputs)
+        layers = [attention_leaves(x_local, spec.heads, spec.kv_heads, spec.head_dim) for _ in range(spec.layers)]
+        if spec.layers == 1:
+            dist.barrier()
+        t0, w0 = (time.perf_counter() if spec.layers == 1 else t_step), bytes_written()
         with train_ctx():
-            out = sdpa(q, k, v, enable_gqa=spec.heads != spec.kv_heads)
-            out.float().square().mean().backward()
+            loss = sum(sdpa(q, k, v, enable_gqa=spec.heads != spec.kv_heads).float().square().mean()
+                       for q, k, v in layers)
+            loss.backward()
         dist.barrier()
         if i:  # the first round warms up
             times.append(time.perf_counter() - t0)
@@ -200,7 +207,8 @@ def run_spec(spec: BenchSpec, timeout: float = 900) -> BenchResult:
 
 
 def limit_seconds(spec: BenchSpec, repeats: int = 3, loaded: bool = False) -> float:
-    """One process, one thread: per-document causal SDPA forward+backward over the row, / world.
+    """One process, one thread: per-document causal SDPA forward+backward over the row, / world
+    (x ``spec.layers``: the limit has no sharding or planning to do).
 
     With ``loaded=True`` the same measurement runs in `world` processes at once (each
     doing the whole row), so the machine is as busy as during the CP run; on a machine
@@ -225,7 +233,7 @@ def limit_seconds(spec: BenchSpec, repeats: int = 3, loaded: bool = False) -> fl
             out.float().square().mean().backward()
             total += time.perf_counter() - t0
         runs.append(total)
-    return statistics.median(runs) / spec.world
+    return statistics.median(runs) / spec.world * spec.layers
 
 
 def _limit_worker(rank: int, world: int, spec: BenchSpec, repeats: int) -> float:
