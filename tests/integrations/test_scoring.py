@@ -49,7 +49,7 @@ def without_cp():
     model = make_model("sdpa")
     out = model(**padded_rows(), fused_lm_head=True)
     pair_loss(out.log_probs).backward()
-    return {f: getattr(out, f).detach() for f in FIELDS}, [p.grad.clone() for p in model.parameters()]
+    return {f: getattr(out, f).detach() for f in (*FIELDS, "loss")}, [p.grad.clone() for p in model.parameters()]
 
 
 def cp_worker(rank, world, edit=None, checkpointing=False):
@@ -73,7 +73,7 @@ def cp_worker(rank, world, edit=None, checkpointing=False):
         pair_loss(out.log_probs).backward()
     reduce_gradients(model.parameters(), mesh["cp"], average=True)  # as DDP averages over the CP ranks
     assert torch.equal(again.log_probs, out.log_probs.detach())
-    return {f: getattr(out, f).detach() for f in FIELDS}, [p.grad for p in model.parameters()]
+    return {f: getattr(out, f).detach() for f in (*FIELDS, "loss")}, [p.grad for p in model.parameters()]
 
 
 @pytest.mark.parametrize("world, checkpointing", [(2, True), pytest.param(3, False, marks=pytest.mark.slow)])
@@ -85,7 +85,7 @@ def test_scoring_forwards_equal_the_padded_rows_without_cp(world, checkpointing,
             assert fields[name].dtype == ref_fields[name].dtype, name
         assert torch.equal(fields["label_mask"], ref_fields["label_mask"])
         assert torch.equal(fields["is_top1"], ref_fields["is_top1"])
-        for name in ("log_probs", "entropy", "mean_logits"):
+        for name in ("log_probs", "entropy", "mean_logits", "loss"):
             assert (fields[name] - ref_fields[name]).abs().max() < 1e-5, name  # float32 inside TRL's head
         assert max(float((g - r).abs().max()) for g, r in zip(grads, ref_grads)) < 1e-6
 
@@ -111,6 +111,12 @@ def test_a_second_forward_on_other_rows_while_gradients_are_pending_is_refused()
             model(**padded_rows((0, 6)), fused_lm_head=True)
     with session(), pytest.raises(ValueError, match=r"input_ids \[B, T\] and labels"):
         model(input_ids=padded_rows()["input_ids"], fused_lm_head=True)
+    rows = padded_rows()
+    with session(), pytest.raises(ValueError, match="do not pass shift_labels"):
+        model(**rows, shift_labels=rows["labels"], fused_lm_head=True)
+    with session(), torch.no_grad():  # the loss divides as TRL's head does: by num_items_in_batch when given
+        scored = model(**rows, num_items_in_batch=torch.tensor(10), fused_lm_head=True)
+    assert torch.allclose(scored.loss, -scored.log_probs.sum() / 10)
     plain = model(**padded_rows(), fused_lm_head=True)  # outside a session: TRL's own forward
     assert plain.log_probs.shape == (len(ROWS), sum(ROWS[0]) - 1)
 

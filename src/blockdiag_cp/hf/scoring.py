@@ -46,8 +46,6 @@ from ..step.rows import flatten_rows
 
 #: per-token fields of TRL's ``FusedCausalLMOutput`` (``[B, T - 1]`` without CP)
 PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
-#: keys of a scoring call that are options of the forward, not rows
-CALL_OPTIONS = ("fused_lm_head", "use_cache", "output_router_logits", "num_items_in_batch", "return_dict")
 #: keys the step adds for its own bookkeeping; the model never sees them
 STEP_ONLY_KEYS = ("_packed_seq_ids", "padding_mask")
 #: the row tensors a scoring forward may carry (text rows; images are not sharded on this path)
@@ -63,12 +61,14 @@ class ScoringStep:
         rows: ``(B, T)`` of the padded rows as the trainer passed them.
         key: the rows' ``input_ids``, ``attention_mask`` and ``labels`` (to reuse the step for the same rows).
         model_kwargs: this rank's sharded inputs of the step (``shift_labels`` included).
+        targets: how many next-token targets the rows have (the loss's default divisor).
     """
 
     ctx: TrainCtx
     rows: tuple[int, int]
     key: tuple[Optional[torch.Tensor], ...]
     model_kwargs: dict[str, Any]
+    targets: int
 
     def same_rows(self, key: tuple[Optional[torch.Tensor], ...]) -> bool:
         return all(
@@ -92,6 +92,7 @@ class ScoringSession:
         self.active = False
         self._entered: Optional[contextlib.AbstractContextManager] = None  # the step's train_ctx(), entered
         self._step: Optional[ScoringStep] = None  # the step of the forward in flight
+        self._divisor: Any = None  # its num_items_in_batch, if the caller passed one
         self._kept: Optional[ScoringStep] = None  # a step whose backward is still to run
 
     @contextlib.contextmanager
@@ -122,8 +123,9 @@ class ScoringSession:
         if args:
             raise ValueError("a scoring forward under CP takes its rows as keyword arguments (input_ids=..., labels=...)")
         step = self._plan(kwargs)
-        self._step = step
-        options = {k: kwargs[k] for k in CALL_OPTIONS if k in kwargs and k != "num_items_in_batch"}
+        self._step, self._divisor = step, kwargs.get("num_items_in_batch")
+        # options (not tensors) pass as they came; the loss is recomputed on the gathered rows (`_post_hook`)
+        options = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor) and k != "num_items_in_batch"}
         return (), {**step.model_kwargs, **options, "use_cache": False}
 
     def _post_hook(self, module, args: tuple, kwargs: dict[str, Any], output):
@@ -136,9 +138,9 @@ class ScoringSession:
                              "set output_router_logits=False (or train without CP)")
         fields = {name: _rows_of(getattr(output, name), step) for name in PER_TOKEN_FIELDS
                   if getattr(output, name, None) is not None}
-        log_probs, mask = fields["log_probs"], fields.get("label_mask")
-        count = mask.sum() if mask is not None else (log_probs != 0).sum()
-        fields["loss"] = -log_probs.sum() / count.clamp(min=1)
+        log_probs = fields["log_probs"]
+        count = step.targets if self._divisor is None else self._divisor  # as TRL's head divides
+        fields["loss"] = -log_probs.sum() / (count.clamp(min=1) if isinstance(count, torch.Tensor) else max(count, 1))
         keep = torch.is_grad_enabled() and log_probs.requires_grad
         if keep:
             self._kept = step
@@ -162,7 +164,10 @@ class ScoringSession:
                     "under CP one step is active at a time; score every row of the step in one forward"
                 )
             return self._kept
-        rows = {k: v for k, v in kwargs.items() if k not in CALL_OPTIONS and v is not None and k != "shift_labels"}
+        if kwargs.get("shift_labels") is not None:
+            raise ValueError("a scoring forward under CP takes labels [B, T] and shifts them per row itself; "
+                             "do not pass shift_labels")
+        rows = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k != "num_items_in_batch"}
         unknown = sorted(k for k in rows if k not in ROW_KEYS)
         if unknown:
             raise ValueError(f"a scoring forward under CP shards text rows ({', '.join(ROW_KEYS)}); it cannot shard "
@@ -175,7 +180,8 @@ class ScoringSession:
         entered = ctx()
         entered.__enter__()
         self._entered = entered
-        return ScoringStep(ctx, tuple(ids.shape), key, batch)
+        targets = int((labels[:, 1:] != -100).sum())
+        return ScoringStep(ctx, tuple(ids.shape), key, batch, targets)
 
     def _leave(self) -> None:
         """Leave the entered step, if any (after a forward without gradients, or at the session's end)."""
