@@ -109,7 +109,7 @@ def many_documents(seed: int = 0, docs: int = 300) -> tuple[int, ...]:
 def many_docs_cases():
     segments = many_documents()
     return [ParityCase(segments, heads=4, kv_heads=2, head_dim=8, kv_exchange=ex, kernel=k, layout=lay, seed=7)
-            for ex in ("auto", "ring", "allgather") for k in ("sdpa", "dense") for lay in ("contiguous", "balanced")
+            for ex in ("auto", "ring") for k in ("sdpa", "dense") for lay in ("contiguous", "balanced")
             if not (k == "dense" and ex != "auto")]
 
 

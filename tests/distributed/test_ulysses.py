@@ -48,7 +48,7 @@ def test_world_4_every_degree_exchange_and_layout_is_exact(rank_pools):
 
 @pytest.mark.slow
 def test_world_6_degrees_2_3_6_are_exact(rank_pools):
-    cases = cases_for((2, 3), ((6, 2), (12, 4)), exchanges=("auto", "a2a", "ring"))
+    cases = cases_for((2, 3), ((6, 2), (12, 4)), exchanges=("a2a", "ring"))  # "auto" picks one of them: world 4
     cases += cases_for((6,), ((6, 2), (12, 4)), exchanges=("auto",))  # one group: no exchange between groups
     seen = assert_exact(rank_pools(6).run(parity_worker, cases))
     assert {"ulysses3+a2a", "ulysses2+ring", "ulysses6"} <= seen
