@@ -30,12 +30,6 @@ import torch
 PROMPT = 64
 
 
-def rss_bytes() -> int:
-    """This process's resident set size now."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
 def scoring_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
@@ -44,7 +38,7 @@ def scoring_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     import blockdiag_cp.hf  # noqa: F401  (registers the attention)
     from blockdiag_cp import CPConfig
     from blockdiag_cp.hf.scoring import ScoringSession
-    from blockdiag_cp.tools.bench import bytes_written
+    from blockdiag_cp.tools.bench import bytes_written, rss_bytes
 
     torch.manual_seed(0)
     torch.set_num_threads(1)

@@ -97,18 +97,18 @@ def build_trainer(args: argparse.Namespace, output_dir: str):
     return CPDPOTrainer(cp_size=args.cp, **common)
 
 
-def logged_steps(trainer) -> list[dict]:
-    """The trainer's logged training steps, the `LOGGED` values of each."""
+def train_and_log(build, args: argparse.Namespace, keys: tuple[str, ...]) -> dict:
+    """Train ``build(args, output_dir)``; ``{"steps": each logged step's `keys`, "params": the final parameters}``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = build(args, tmp)
+        trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
-    return [{key: e.get(key) for key in LOGGED} for e in logs]
+    params = torch.cat([p.detach().double().reshape(-1) for p in trainer.model.parameters()])
+    return {"steps": [{key: e.get(key) for key in keys} for e in logs], "params": params}
 
 
 def run(args: argparse.Namespace) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        trainer = build_trainer(args, tmp)
-        trainer.train()
-    params = torch.cat([p.detach().double().reshape(-1) for p in trainer.model.parameters()])
-    return {"steps": logged_steps(trainer), "params": params}
+    return train_and_log(build_trainer, args, LOGGED)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -136,13 +136,18 @@ def print_steps(result: dict, save: str | None) -> None:
         torch.distributed.barrier()
 
 
-@one_line_errors
-def main() -> None:
-    args = parse_args()
+def launch(parse, run_args) -> None:
+    """An example's main: its arguments, torchrun when CP needs it, one thread, the steps printed."""
+    args = parse()
     if args.cp > 1:
         require_torchrun(args.cp)
     torch.set_num_threads(1)
-    print_steps(run(args), args.save)
+    print_steps(run_args(args), args.save)
+
+
+@one_line_errors
+def main() -> None:
+    launch(parse_args, run)
 
 
 if __name__ == "__main__":

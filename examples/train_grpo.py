@@ -20,13 +20,12 @@ import argparse
 import os
 import pathlib
 import sys
-import tempfile
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from launch import one_line_errors, require_torchrun  # noqa: E402
-from train_dpo import print_steps, text_snippets, text_tokenizer  # noqa: E402
+from launch import one_line_errors  # noqa: E402
+from train_dpo import launch, text_snippets, text_tokenizer, train_and_log  # noqa: E402
 from train_trainer import tiny_llama  # noqa: E402
 
 #: what one logged step reports
@@ -67,12 +66,7 @@ def build_trainer(args: argparse.Namespace, output_dir: str):
 
 
 def run(args: argparse.Namespace) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        trainer = build_trainer(args, tmp)
-        trainer.train()
-    logs = [e for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
-    params = torch.cat([p.detach().double().reshape(-1) for p in trainer.model.parameters()])
-    return {"steps": [{key: e.get(key) for key in LOGGED} for e in logs], "params": params}
+    return train_and_log(build_trainer, args, LOGGED)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -90,11 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 @one_line_errors
 def main() -> None:
-    args = parse_args()
-    if args.cp > 1:
-        require_torchrun(args.cp)
-    torch.set_num_threads(1)
-    print_steps(run(args), args.save)
+    launch(parse_args, run)
 
 
 if __name__ == "__main__":

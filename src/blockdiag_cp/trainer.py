@@ -319,14 +319,12 @@ class BlockDiagCPMixin:
             per_rank = len(gathered) // self.args.world_size
             data = [x for r in range(0, self.args.world_size, self.cp_size) for x in gathered[r * per_rank:(r + 1) * per_rank]]
         else:
-            data = recursively_apply(self._first_cp_rank_rows, self.accelerator.gather(data))
+            keep = functools.partial(first_cp_rank_rows, dp=self.dp_size, cp=self.cp_size)
+            data = recursively_apply(keep, self.accelerator.gather(data))
         state = self.accelerator.gradient_state
         if state.end_of_dataloader and state.remainder > 0:
             return data[: state.remainder] if use_gather_object else recursively_apply(lambda t: t[: state.remainder], data)
         return data
-
-    def _first_cp_rank_rows(self, gathered: torch.Tensor) -> torch.Tensor:
-        return first_cp_rank_rows(gathered, self.dp_size, self.cp_size)
 
 
 class BlockDiagCPTrainer(BlockDiagCPMixin, transformers.Trainer):

@@ -210,20 +210,18 @@ class FusedCallTable:
 
 def fused_call_table(items: ItemTable, device: torch.device) -> FusedCallTable:
     """`fused_calls`, the query rows they leave untouched and the gradient rows to zero first."""
-    touched = torch.zeros(items.num_q_rows, dtype=torch.bool)
-    touched[concat_ranges(items.q_start, items.q_len)] = True
-    written_q = torch.zeros(items.num_q_rows, dtype=torch.bool)
-    written_k = torch.zeros(items.num_k_rows, dtype=torch.bool)
-    calls = fused_calls(items, device, written_q, written_k)
-    rows = (torch.nonzero(~mask).flatten().to(device) for mask in (touched, written_q, written_k))
+    touch_q = FirstTouch(items.num_q_rows)
+    touch_k = FirstTouch(items.num_k_rows)
+    calls = fused_calls(items, device, touch_q, touch_k)
+    rows = (torch.nonzero(~mask).flatten().to(device) for mask in (touch_q.seen, touch_q.written, touch_k.written))
     return FusedCallTable(calls, *rows)
 
 
 class FirstTouch:
     """Which rows earlier calls touched, to mark each call's first-touch sides (Note [First-touch gradient rows])."""
 
-    def __init__(self, written: torch.Tensor) -> None:
-        self.seen, self.written = torch.zeros_like(written), written
+    def __init__(self, rows: int) -> None:
+        self.seen, self.written = torch.zeros(rows, dtype=torch.bool), torch.zeros(rows, dtype=torch.bool)
 
     def mark(self, starts: list[int], reals: list[int], step: int) -> bool:
         """Whether none of these rows (``reals[i]`` rows from ``starts[i]``, upwards or downwards) was
@@ -258,14 +256,13 @@ class CallGroup(NamedTuple):
 Groups = dict[CallGroup, list[tuple[int, int, int, int]]]
 
 
-def fused_calls(items: ItemTable, device: torch.device, written_q: Optional[torch.Tensor] = None,
-                written_k: Optional[torch.Tensor] = None) -> tuple[FusedCall, ...]:
+def fused_calls(items: ItemTable, device: torch.device, touch_q: Optional["FirstTouch"] = None,
+                touch_k: Optional["FirstTouch"] = None) -> tuple[FusedCall, ...]:
     """The calls of `items` (Notes [Bottom-right causal...], [Token-major rows and buckets] and
     [Sliding windows from causal squares]). First-touch calls come first, merging calls after.
-    `written_q` / `written_k` (``[num rows]`` bool, filled in): the rows first-touch calls write."""
-    written_q = torch.zeros(items.num_q_rows, dtype=torch.bool) if written_q is None else written_q
-    written_k = torch.zeros(items.num_k_rows, dtype=torch.bool) if written_k is None else written_k
-    touch_q, touch_k = FirstTouch(written_q), FirstTouch(written_k)
+    `touch_q` / `touch_k` (filled in): the query / key rows the calls touch, and those first-touch calls write."""
+    touch_q = FirstTouch(items.num_q_rows) if touch_q is None else touch_q
+    touch_k = FirstTouch(items.num_k_rows) if touch_k is None else touch_k
     groups: Groups = defaultdict(list)
     rows = zip(*(t.tolist() for t in (items.q_start, items.q_len, items.k_start, items.k_len, items.causal)))
     for q0, ql, k0, kl, causal in rows:

@@ -113,7 +113,8 @@ def _split_tokens(seq_len: int, weights: list[float]) -> tuple[int, ...]:
     return tuple(lengths)
 
 
-def _rss_bytes() -> int:
+def rss_bytes() -> int:
+    """This process's resident set size now."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
 
@@ -165,7 +166,7 @@ def bench_worker(rank: int, world: int, spec: BenchSpec) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"]
-    base_rss = _rss_bytes()
+    base_rss = rss_bytes()
     times, sent = [], []
     for i in range(spec.repeats + 1):
         inputs = _inputs(spec)
