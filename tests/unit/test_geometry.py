@@ -1,5 +1,6 @@
 """Step geometry against a position-by-position brute force: who needs which keys, and how many move."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -49,3 +50,50 @@ def test_need_at_a_subset_equals_the_full_matrix():
     geometry = StepGeometry.build(plan_shards(ids, 3, "balanced"), ids)
     positions = torch.tensor([0, 5, 9, 10, 38, 40, 58])
     assert torch.equal(geometry.need_at(positions), geometry.need_WS[:, positions])
+
+
+class _LoopbackA2A:
+    """An `a2a` exchange of one rank whose transport hands over what the other ranks would send
+    (their owned rows this rank needs, grouped by source, ascending), from the global K/V."""
+
+    @staticmethod
+    def build(geometry, rank, k_SHD, v_SHD):
+        from blockdiag_cp.exchange.base import ExchangeSetup
+        from blockdiag_cp.exchange.needed import AllToAllExchange
+        from blockdiag_cp.kernels import SdpaKernel
+
+        needed = geometry.needed_positions(rank)
+        owner = geometry.owner[needed]
+        rows = torch.cat([needed[owner == src] for src in range(geometry.world) if src != rank])
+
+        class Loopback(AllToAllExchange):
+            def transport(self, rows_TX, send_splits, recv_splits):
+                return torch.stack([k_SHD[rows], v_SHD[rows]], dim=1)
+
+        return Loopback(ExchangeSetup(geometry, rank, None, (SdpaKernel(),), torch.device("cpu")))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "balanced"])
+@pytest.mark.parametrize("segments", [(40,), (9, 30, 1), tuple([3, 5, 2, 7] * 6), (60, 2, 3, 4, 5, 6, 7, 8, 9),
+                                      (27, 5, 7, 27)])  # the last: balanced rank 0 has > 8 runs (slots)
+def test_needed_only_buffer_holds_every_needed_row_head_major(layout, segments):
+    """Note [Head-major key buffer]: the buffer is K/V at the needed positions, in order, each head's
+    rows contiguous (one strided copy per run, or per slot), local and received rows alike."""
+    from blockdiag_cp.plan import make_plan
+
+    ids = doc_ids_from_lengths(segments)
+    world = 3
+    plan = make_plan(ids, world, layout)
+    geometry = StepGeometry.build(plan, ids)
+    S = plan.positions_WL.numel()
+    k_SHD, v_SHD = torch.randn(S, 2, 4, dtype=torch.float64), torch.randn(S, 2, 4, dtype=torch.float64)
+    for rank in range(world):
+        exchange = _LoopbackA2A.build(geometry, rank, k_SHD, v_SHD)
+        mine = plan.positions_WL[rank]
+        # the layer's token-major rows, as a model hands them over (a strided view)
+        k_local, v_local = (t[mine].transpose(0, 1).contiguous().transpose(0, 1) for t in (k_SHD, v_SHD))
+        k_buf, v_buf = exchange.gather_rows(k_local, v_local)
+        needed = geometry.needed_positions(rank)
+        assert torch.equal(k_buf, k_SHD[needed]) and torch.equal(v_buf, v_SHD[needed])
+        if k_buf.data_ptr() != k_local.data_ptr():  # a fresh buffer (not the local rows' own view)
+            assert k_buf.transpose(0, 1).is_contiguous() and v_buf.transpose(0, 1).is_contiguous()

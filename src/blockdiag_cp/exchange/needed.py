@@ -9,7 +9,7 @@ needs. Rank r then:
     sends    rows of its local K/V, grouped by destination rank (ascending positions)
     receives rows grouped by source rank (ascending positions)
     buffer   local rows and received rows each copied once into their slots
-             (ascending positions); a slice when they form a few runs
+             (ascending positions), head-major (Note [Head-major key buffer])
 
 K and V are fused ``[rows, 2, Hk, D]`` only for the sent rows (one collective); the
 buffers are filled from the layer's token-major K and V directly. Backward reverses
@@ -20,6 +20,19 @@ owners' local gradients. Only the transport differs:
     halo   point-to-point with the left neighbour only (valid while every rank's
            missing keys are owned by its left neighbour: with the contiguous layout,
            no document spans more than two ranks)
+
+Note [Head-major key buffer]
+----------------------------
+The fused CPU calls read each head's key rows contiguously (Note [Head-major call
+inputs] in kernels/sdpa.py), so the buffer is allocated ``[Hk, N, D]`` and handed on as
+its token-major view ``[N, Hk, D]``: the kernel's ``contiguous()`` of the head-major view
+is then free. Filling it by runs is a strided ``copy_`` per run (the transposition happens
+in that one pass); an earlier version concatenated the runs token-major and the kernel
+copied the result head-major again: two passes and two fresh buffers per tensor per layer.
+
+On glibc every fresh allocation past its mmap threshold (32 MiB at most, e.g. 16k rows of
+8 x 64 fp32) is new pages, zero-filled on first touch: a fresh buffer costs about twice
+a copy into memory already touched, so passes saved here are fresh buffers saved too.
 """
 
 from __future__ import annotations
@@ -75,13 +88,21 @@ class NeededOnlyExchange(BufferExchange):
         return self._assemble(k_LHD, received_k), self._assemble(v_LHD, received_v)
 
     def _assemble(self, local_LHD: torch.Tensor, received_RHD: torch.Tensor) -> torch.Tensor:
-        """``[N, Hk, D]``: each needed local and received row once, in buffer order."""
-        if self.assemble_runs is not None:  # contiguous layouts: a view or one copy
-            sources = (local_LHD, received_RHD)
-            parts = [sources[src].narrow(0, start, length) for src, start, length in self.assemble_runs]
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
+        """``[N, Hk, D]``: each needed local and received row once, in buffer order, written straight
+        into head-major storage (a token-major view of ``[Hk, N, D]``: the layout the fused calls read,
+        Note [Head-major key buffer]); a view of the local rows when they are the whole buffer."""
+        if self.assemble_runs is not None and len(self.assemble_runs) == 1 and self.assemble_runs[0][0] == 0:
+            _, start, length = self.assemble_runs[0]
+            return local_LHD.narrow(0, start, length)
         slots = self.slots
-        buffer = local_LHD.new_empty((slots.size, *local_LHD.shape[1:]))
+        Hk, D = local_LHD.shape[1:]
+        buffer = local_LHD.new_empty((Hk, slots.size, D)).transpose(0, 1)
+        if self.assemble_runs is not None:  # contiguous layouts: one strided copy per run
+            sources, at = (local_LHD, received_RHD), 0
+            for src, start, length in self.assemble_runs:
+                buffer[at : at + length].copy_(sources[src].narrow(0, start, length))
+                at += length
+            return buffer
         local = local_LHD if slots.local_rows is None else local_LHD.index_select(0, slots.local_rows)
         buffer.index_copy_(0, slots.local, local)
         if received_RHD.shape[0]:

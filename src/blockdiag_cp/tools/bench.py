@@ -8,7 +8,8 @@ over), like the limit's per-document q/k/v; sharding the batch, done once per st
 for every layer, is not timed. Bytes sent are the ``wchar``
 delta of ``/proc/self/io`` (sockets count there): what the rank really wrote.
 The *limit* is one process running the same per-document attention alone, divided
-by the world size.
+by the world size. Both sides run with `keep_cpu_heap` (Note [Fresh pages on CPU]): the CP
+ranks and the limit's process alike serve large tensors from a heap that keeps freed blocks.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..parallel import keep_cpu_heap
 from ..testing import ParityCase
 
 
@@ -165,6 +167,7 @@ def bench_worker(rank: int, world: int, spec: BenchSpec) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    keep_cpu_heap()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"]
     base_rss = rss_bytes()
     times, sent = [], []
@@ -220,6 +223,7 @@ def limit_seconds(spec: BenchSpec, repeats: int = 3, loaded: bool = False) -> fl
 
         per_process = spawn(_limit_worker, spec.world, spec, repeats)
         return statistics.median(per_process)
+    keep_cpu_heap()
     torch.set_num_threads(1)
     dtype = getattr(torch, spec.dtype)
     docs = [n for n in spec.segments if n > 0]
