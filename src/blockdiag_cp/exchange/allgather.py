@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ensure
 from .base import BufferExchange, ExchangeSetup, Traffic, fuse_rows, unfuse_rows
 from ..parallel.collectives import all_gather_rows, reduce_scatter_rows
 
@@ -45,7 +46,8 @@ class AllGatherExchange(BufferExchange):
             return unfuse_rows(gathered.narrow(0, *self._slice))
         return unfuse_rows(gathered.index_select(0, self._index))
 
-    def scatter_grads(self, dk_NHD: torch.Tensor, dv_NHD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def scatter_grads(self, dk_NHD: torch.Tensor, dv_NHD: torch.Tensor, in_grad_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        ensure(not in_grad_rows, "this exchange keeps no key gradient rows of its own")
         d_gathered = dk_NHD.new_zeros((self._world * self.local_len, 2, *dk_NHD.shape[1:]))
         for d_half, d_rows in zip(unfuse_rows(d_gathered), (dk_NHD, dv_NHD)):
             if self._slice is not None:

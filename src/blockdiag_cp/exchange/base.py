@@ -10,7 +10,7 @@ the ring interleaves delivery with attention instead.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, ClassVar, Mapping, Optional
 
@@ -159,10 +159,16 @@ class BufferExchange(KVExchange):
     autograd node (`BufferAttention`): no intermediate view gradients to zero-fill.
     """
 
-    def __init__(self, setup: ExchangeSetup, buffer_positions: torch.Tensor) -> None:
+    def __init__(self, setup: ExchangeSetup, buffer_positions: torch.Tensor,
+                 key_grad_rows: Optional[tuple[torch.Tensor, int]] = None) -> None:
+        """`key_grad_rows`: ``([N] gradient row of each buffer row, number of gradient rows)`` when this
+        exchange takes K/V gradients in a layout of its own (`scatter_grads` with ``in_grad_rows``)."""
         self.buffer_positions = buffer_positions
         self.local_len = setup.local_len
-        self.items = items_over_buffer(setup.pieces(), buffer_positions, setup.local_len, setup.window)
+        items = items_over_buffer(setup.pieces(), buffer_positions, setup.local_len, setup.window)
+        if key_grad_rows is not None:
+            items = replace(items, key_grad_rows=key_grad_rows[0], num_key_grad_rows=key_grad_rows[1])
+        self.items = items
         self.kernel_calls: Mapping[str, Any] = MappingProxyType(
             {k.name: k.prepare(self.items, setup.device) for k in setup.kernels}
         )
@@ -172,8 +178,12 @@ class BufferExchange(KVExchange):
         """Local rows ``[L, Hk, D]`` -> key buffers ``(k [N, Hk, D], v [N, Hk, D])`` (runs the forward collectives)."""
 
     @abstractmethod
-    def scatter_grads(self, dk_NHD: torch.Tensor, dv_NHD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The adjoint: buffer gradients ``[N, Hk, D]`` -> local-row gradients ``(dk [L, Hk, D], dv [L, Hk, D])``."""
+    def scatter_grads(self, dk_NHD: torch.Tensor, dv_NHD: torch.Tensor,
+                      in_grad_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The adjoint: buffer gradients ``[N, Hk, D]`` -> local-row gradients ``(dk [L, Hk, D], dv [L, Hk, D])``.
+
+        ``in_grad_rows``: the gradients are already in this exchange's `key_grad_rows` layout
+        (a kernel that `writes_key_grad_rows` wrote them there)."""
 
     def attend(self, q_HLD, k_HLD, v_HLD, kernel, options: CallOptions, sinks=None):
         calls = self.kernel_calls[kernel.name]
@@ -228,6 +238,8 @@ class BufferAttention(torch.autograd.Function):
     def backward(ctx, do_HLD):
         (q, k_HND, v_HND), (o, lse, sinks_H), aux = saved_for_backward(ctx)
         dq, dk_HND, dv_HND = ctx.kernel.backward(ctx.calls, do_HLD, q, k_HND, v_HND, o, lse, aux, ctx.options)
-        dk_LHD, dv_LHD = ctx.exchange.scatter_grads(*token_major(dk_HND.to(k_HND.dtype), dv_HND.to(v_HND.dtype)))
+        in_grad_rows = ctx.kernel.writes_key_grad_rows and ctx.exchange.items.key_grad_rows is not None
+        dk_LHD, dv_LHD = ctx.exchange.scatter_grads(*token_major(dk_HND.to(k_HND.dtype), dv_HND.to(v_HND.dtype)),
+                                                    in_grad_rows=in_grad_rows)
         d_sinks = None if sinks_H is None else sinks_grad(do_HLD, o, lse, sinks_H).to(sinks_H.dtype)
         return dq, *token_major(dk_LHD, dv_LHD), d_sinks, None, None, None, None

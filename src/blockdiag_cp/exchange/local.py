@@ -24,5 +24,6 @@ class LocalExchange(BufferExchange):
     def gather_rows(self, k_LHD: torch.Tensor, v_LHD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return k_LHD, v_LHD
 
-    def scatter_grads(self, dk_NHD: torch.Tensor, dv_NHD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def scatter_grads(self, dk_NHD: torch.Tensor, dv_NHD: torch.Tensor, in_grad_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        ensure(not in_grad_rows, "this exchange keeps no key gradient rows of its own")
         return dk_NHD, dv_NHD

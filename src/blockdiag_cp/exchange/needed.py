@@ -30,6 +30,17 @@ is then free. Filling it by runs is a strided ``copy_`` per run (the transpositi
 in that one pass); an earlier version concatenated the runs token-major and the kernel
 copied the result head-major again: two passes and two fresh buffers per tensor per layer.
 
+Note [Key gradients in the exchange's layout]
+---------------------------------------------
+Backward needs the local rows' K/V gradients ``[L, Hk, D]`` (plus what came back for the
+rows this rank sent) and the received rows' gradients grouped by source, to send back.
+A kernel that `writes_key_grad_rows` (sdpa) writes each buffer row's gradient straight
+into row ``assemble[j]`` of a ``[L + R]`` tensor, ``[local rows | received rows]``: the
+local gradients are then its first ``L`` rows (a view; local rows no query needs are
+zeroed by the kernel) and the received ones the rest, in the order they are sent. Other
+kernels return the buffer's order and the exchange gathers both parts (two fresh
+``[L, Hk, D]`` tensors and a pass each).
+
 On glibc every fresh allocation past its mmap threshold (32 MiB at most, e.g. 16k rows of
 8 x 64 fp32) is new pages, zero-filled on first touch: a fresh buffer costs about twice
 a copy into memory already touched, so passes saved here are fresh buffers saved too.
@@ -69,7 +80,9 @@ class NeededOnlyExchange(BufferExchange):
         assemble = torch.where(src == rank, geometry.local_index[needed], L + recv_offset[src] + _rank_within(src, W))
         self.assemble_runs = _runs(assemble, L)
         self.slots = _Slots.of(assemble, L, sum(self.recv_splits), setup.device)
-        super().__init__(setup, needed)
+        # a kernel that writes key gradient rows writes them [local rows | received rows] (Note [Key
+        # gradients in the exchange's layout]): buffer row j's gradient goes to row assemble[j]
+        super().__init__(setup, needed, key_grad_rows=(assemble, L + sum(self.recv_splits)))
 
     @property
     def traffic(self) -> Traffic:
@@ -109,15 +122,20 @@ class NeededOnlyExchange(BufferExchange):
             buffer.index_copy_(0, slots.received, received_RHD)
         return buffer
 
-    def scatter_grads(self, dk_NHD: torch.Tensor, dv_NHD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        slots = self.slots
-        if dk_NHD.shape[0] == 0:  # a rank of only padding: no query, no gradient
-            d_local = [d.new_zeros((self.local_len, *d.shape[1:])) for d in (dk_NHD, dv_NHD)]
+    def scatter_grads(self, dk_NHD: torch.Tensor, dv_NHD: torch.Tensor,
+                      in_grad_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        slots, L = self.slots, self.local_len
+        if in_grad_rows:  # [local | received] already (Note [Key gradients in the exchange's layout])
+            d_local = [dk_NHD[:L], dv_NHD[:L]]
+            d_received = (dk_NHD[L:], dv_NHD[L:])
+        elif dk_NHD.shape[0] == 0:  # a rank of only padding: no query, no gradient
+            d_local = [d.new_zeros((L, *d.shape[1:])) for d in (dk_NHD, dv_NHD)]
+            d_received = (dk_NHD, dv_NHD)
         else:  # each local row's buffer gradient; rows no query needs get 0
             d_local = [d.index_select(0, slots.of_local).index_fill_(0, slots.unused_local, 0.0) for d in (dk_NHD, dv_NHD)]
+            d_received = tuple(d.index_select(0, slots.received) for d in (dk_NHD, dv_NHD))
         if self.any_transfer:  # every rank runs the reverse collective, also one that only sent
-            d_received = fuse_rows(dk_NHD.index_select(0, slots.received), dv_NHD.index_select(0, slots.received))
-            returned = self.transport(d_received, self.recv_splits, self.send_splits)
+            returned = self.transport(fuse_rows(*d_received), self.recv_splits, self.send_splits)
             for d, d_returned in zip(d_local, unfuse_rows(returned)):
                 d.index_add_(0, self.send_rows, d_returned)
         return d_local[0], d_local[1]

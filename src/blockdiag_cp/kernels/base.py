@@ -59,6 +59,9 @@ class ItemTable:
         num_q_rows: rows of the query tensor (``L``).
         num_k_rows: rows of the key buffer (``N``).
         window: the sliding window of every causal item (None: full causal).
+        key_grad_rows: ``[N]`` int64 CPU: where each buffer row's K/V gradient goes in a gradient
+            tensor of `num_key_grad_rows` rows (the exchange's own layout, e.g. ``[local | received]``),
+            for kernels that `writes_key_grad_rows`; None: the buffer's order.
     """
 
     q_start: torch.Tensor
@@ -69,8 +72,15 @@ class ItemTable:
     num_q_rows: int
     num_k_rows: int
     window: Optional[int] = None
+    key_grad_rows: Optional[torch.Tensor] = None
+    num_key_grad_rows: int = 0
 
     def __post_init__(self) -> None:
+        if self.key_grad_rows is not None:
+            rows = self.key_grad_rows
+            ensure(rows.shape == (self.num_k_rows,) and (rows.numel() == 0 or (
+                int(rows.min()) >= 0 and int(rows.max()) < self.num_key_grad_rows)), "key gradient rows out of bounds")
+            ensure(torch.unique(rows).numel() == rows.numel(), "two buffer rows share a key gradient row")
         n = self.q_start.numel()
         ensure(all(t.numel() == n for t in (self.q_len, self.k_start, self.k_len, self.causal)), "ragged items")
         if n == 0:
@@ -181,6 +191,8 @@ class LseKernel(AttentionKernel):
     #: `forward`'s aux holds every value of q/k/v that `backward` reads, so callers keep
     #: only their shapes (`save_for_backward`)
     keeps_inputs: bool = False
+    #: `backward` returns dk/dv in the items' `key_grad_rows` layout when they have one
+    writes_key_grad_rows: bool = False
 
     @abstractmethod
     def forward(

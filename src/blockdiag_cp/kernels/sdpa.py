@@ -113,7 +113,9 @@ class Rows:
 
     Either one contiguous run (``start``: a slice, no copy), or gather/scatter indices
     ``[G * length]`` on the device: pads gather a real row and scatter to the dummy
-    row ``R`` (see Note [Token-major rows and buckets]); ``pad`` marks them.
+    row ``R`` (see Note [Token-major rows and buckets]); ``pad`` marks them. Writes
+    (gradients) may go to other rows than reads (Note [Key gradients in the exchange's
+    layout] in exchange/needed.py): a slice ``write_start`` or `scatter`.
     """
 
     count: int
@@ -122,6 +124,7 @@ class Rows:
     gather: Optional[torch.Tensor] = None
     scatter: Optional[torch.Tensor] = None
     pad: Optional[torch.Tensor] = None
+    write_start: Optional[int] = None  # writes are this slice (None: `scatter`), read and write rows may differ
 
     def take(self, t_RX: torch.Tensor) -> torch.Tensor:
         """``[G * length, ...]``: the rows (a view for a slice)."""
@@ -139,15 +142,15 @@ class Rows:
 
     def put(self, t_RX: torch.Tensor, value_TX: torch.Tensor) -> None:
         """Write the rows of `t_RX` (which has the dummy row) in place."""
-        if self.start is not None:
-            t_RX[self.start : self.start + self.length].copy_(value_TX)
+        if self.write_start is not None:
+            t_RX[self.write_start : self.write_start + self.length].copy_(value_TX)
         else:
             t_RX.index_copy_(0, self.scatter, value_TX.to(t_RX.dtype))
 
     def add(self, t_RX: torch.Tensor, value_TX: torch.Tensor) -> None:
         """Add into the rows of `t_RX` (which has the dummy row) in place."""
-        if self.start is not None:
-            t_RX[self.start : self.start + self.length].add_(value_TX)
+        if self.write_start is not None:
+            t_RX[self.write_start : self.write_start + self.length].add_(value_TX)
         else:
             t_RX.index_add_(0, self.scatter, value_TX.to(t_RX.dtype))
 
@@ -173,17 +176,32 @@ class FusedCall:
     k_first: bool = False
 
 
-def _rows(starts: list[int], reals: list[int], length: int, dummy: int, device: torch.device, step: int = 1) -> Rows:
-    """Rows for items of `reals` real rows from `starts` (ascending, or descending with ``step=-1``), padded to `length`."""
-    if len(starts) == 1 and reals[0] == length and step == 1:
-        return Rows(1, length, start=starts[0])
+def _rows(starts: list[int], reals: list[int], length: int, dummy: int, device: torch.device, step: int = 1,
+          write: Optional["WriteRows"] = None) -> Rows:
+    """Rows for items of `reals` real rows from `starts` (ascending, or descending with ``step=-1``), padded to
+    `length`; writes go to ``write.rows[row]`` (and pads to ``write.dummy``) when `write` is given."""
+    single = len(starts) == 1 and reals[0] == length and step == 1
+    if single and write is None:
+        return Rows(1, length, start=starts[0], write_start=starts[0])
     start, real = torch.tensor(starts).unsqueeze(1), torch.tensor(reals).unsqueeze(1)
     offset = torch.arange(length).unsqueeze(0)
     is_pad = offset >= real
     gather = start + step * torch.minimum(offset, real - 1)
-    scatter = torch.where(is_pad, dummy, start + step * offset)
+    target, dummy = (gather, dummy) if write is None else (write.rows[gather], write.dummy)
+    scatter = torch.where(is_pad, dummy, target).reshape(-1)
+    if single and bool((scatter[1:] == scatter[:-1] + 1).all()):
+        return Rows(1, length, start=starts[0], write_start=int(scatter[0]))
     pad = is_pad.reshape(-1).to(device) if bool(is_pad.any()) else None
-    return Rows(len(starts), length, None, gather.reshape(-1).to(device), scatter.reshape(-1).to(device), pad)
+    read_start = starts[0] if single else None
+    return Rows(len(starts), length, read_start, None if single else gather.reshape(-1).to(device),
+                scatter.to(device), pad)
+
+
+class WriteRows(NamedTuple):
+    """Where gradient rows go when not to the rows read: ``rows[buffer row]``, pads to ``dummy``."""
+
+    rows: torch.Tensor
+    dummy: int
 
 
 @dataclass(frozen=True)
@@ -193,13 +211,15 @@ class FusedCallTable:
     Attributes:
         untouched_rows: query rows no call touches (padding): their output is 0.
         zero_q_rows, zero_k_rows: the dq and dk/dv rows no first-touch call writes
-            (Note [First-touch gradient rows]); ``[n]`` int64 on the device, like the above.
+            (Note [First-touch gradient rows]); ``[n]`` int64 on the device, like the above;
+            dk/dv rows are the items' `key_grad_rows` when they have them.
     """
 
     calls: tuple[FusedCall, ...]
     untouched_rows: torch.Tensor
     zero_q_rows: torch.Tensor
     zero_k_rows: torch.Tensor
+    k_grad_rows: int  # rows of the dk/dv backward writes: the items' key gradient rows, else the buffer's
 
     def __len__(self) -> int:
         return len(self.calls)
@@ -211,23 +231,27 @@ class FusedCallTable:
 def fused_call_table(items: ItemTable, device: torch.device) -> FusedCallTable:
     """`fused_calls`, the query rows they leave untouched and the gradient rows to zero first."""
     touch_q = FirstTouch(items.num_q_rows)
-    touch_k = FirstTouch(items.num_k_rows)
+    touch_k = FirstTouch(items.num_k_rows) if items.key_grad_rows is None else FirstTouch(
+        items.num_key_grad_rows, items.key_grad_rows)
     calls = fused_calls(items, device, touch_q, touch_k)
     rows = (torch.nonzero(~mask).flatten().to(device) for mask in (touch_q.seen, touch_q.written, touch_k.written))
-    return FusedCallTable(calls, *rows)
+    return FusedCallTable(calls, *rows, k_grad_rows=touch_k.seen.numel())
 
 
 class FirstTouch:
     """Which rows earlier calls touched, to mark each call's first-touch sides (Note [First-touch gradient rows])."""
 
-    def __init__(self, rows: int) -> None:
+    def __init__(self, rows: int, remap: Optional[torch.Tensor] = None) -> None:
+        """`rows` written rows; `remap`: the written row of each row read (None: the same)."""
         self.seen, self.written = torch.zeros(rows, dtype=torch.bool), torch.zeros(rows, dtype=torch.bool)
+        self.remap = remap
 
     def mark(self, starts: list[int], reals: list[int], step: int) -> bool:
         """Whether none of these rows (``reals[i]`` rows from ``starts[i]``, upwards or downwards) was
         touched before and none repeats; marks them touched, and written if so."""
         start, real = torch.tensor(starts), torch.tensor(reals)
         rows = concat_ranges(start if step == 1 else start - real + 1, real)
+        rows = rows if self.remap is None else self.remap[rows]
         first = not bool(self.seen[rows].any()) and torch.unique(rows).numel() == rows.numel()
         self.seen[rows] = True
         if first:
@@ -263,6 +287,7 @@ def fused_calls(items: ItemTable, device: torch.device, touch_q: Optional["First
     `touch_q` / `touch_k` (filled in): the query / key rows the calls touch, and those first-touch calls write."""
     touch_q = FirstTouch(items.num_q_rows) if touch_q is None else touch_q
     touch_k = FirstTouch(items.num_k_rows) if touch_k is None else touch_k
+    write_k = None if items.key_grad_rows is None else WriteRows(items.key_grad_rows, items.num_key_grad_rows)
     groups: Groups = defaultdict(list)
     rows = zip(*(t.tolist() for t in (items.q_start, items.q_len, items.k_start, items.k_len, items.causal)))
     for q0, ql, k0, kl, causal in rows:
@@ -277,7 +302,7 @@ def fused_calls(items: ItemTable, device: torch.device, touch_q: Optional["First
     for group, members in ordered:
         q0s, qreal, k0s, kreal = (list(col) for col in zip(*members))
         q = _rows(q0s, qreal, group.q_rows, items.num_q_rows, device, group.step)
-        k = _rows(k0s, kreal, group.k_rows, items.num_k_rows, device, group.step)
+        k = _rows(k0s, kreal, group.k_rows, items.num_k_rows, device, group.step, write_k)
         q_first, k_first = touch_q.mark(q0s, qreal, group.step), touch_k.mark(k0s, kreal, group.step)
         calls.append(FusedCall(group.causal, group.merge, q, k, q_first, k_first))
     return tuple(calls)
@@ -312,6 +337,7 @@ class SdpaKernel(LseKernel):
     supports_dropout = False
     supports_softcap = True  # with the same call table, in plain math per call (`MathOps`)
     keeps_inputs = True  # each call's head-major q/k/v (Note [Head-major call inputs])
+    writes_key_grad_rows = True  # dk/dv rows where the items' key_grad_rows say
 
     @classmethod
     def build(cls, device: torch.device) -> "SdpaKernel":
@@ -356,11 +382,12 @@ class SdpaKernel(LseKernel):
         return o_LHD[:L].transpose(0, 1), lse_LH[:L].transpose(0, 1), kept
 
     def backward(self, calls, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, options: CallOptions):
-        """``(dq [H, L, D], dk [Hk, N, D], dv [Hk, N, D])``: token-major storage (each call's rows added in place)."""
+        """``(dq [H, L, D], dk [Hk, N, D], dv [Hk, N, D])``: token-major storage (each call's rows added in place);
+        dk/dv rows are the items' `key_grad_rows` when they have them (``N = num_key_grad_rows``)."""
         ops, scale = self._ops_for(options.softcap), options.scale
         do_LHD, o_LHD, lse_LH = do_HLD.transpose(0, 1), o_HLD.transpose(0, 1), lse_HL.transpose(0, 1)
         acc = accumulate_dtype(q_HLD.dtype)
-        (H, L, D), N = q_HLD.shape, k_HND.shape[1]
+        (H, L, D), N = q_HLD.shape, calls.k_grad_rows  # dk/dv rows: the exchange's layout or the buffer's
         # first-touch calls write their rows; only the rest is zeroed (Note [First-touch gradient rows])
         dq = torch.empty(L + 1, H, D, dtype=acc, device=q_HLD.device).index_fill_(0, calls.zero_q_rows, 0.0)
         dk, dv = (torch.empty(N + 1, k_HND.shape[0], D, dtype=acc, device=q_HLD.device).index_fill_(
