@@ -33,8 +33,34 @@ padded to a multiple of ``2 * cp``. This planner needs no per-document padding:
    more exactly sorted order) and fold again. ``c`` starts at ``L``, so one long
    document gets the classic two pieces per rank.
 
+4. Count what the fused kernels pay, not only pairs (Note [Kernel-aware work]).
+
 Only the total is padded, to the next multiple of ``world``. Deterministic: no
 randomness, ties broken by position. Cost ``O(S log S)`` per attempt (numpy).
+
+Note [Kernel-aware work]
+------------------------
+Equal pairs are not equal time. A rank's queries whose document began on another
+rank see those earlier keys as a rectangle (no mask: every pair is used), the rest as
+causal squares, whose diagonal tiles the fused kernels compute whole and then mask.
+Measured with torch's fused CPU kernel (``python benchmarks/pair_cost.py``, 8 heads of
+64, fp32, forward + backward): a pair of a rectangle of >= 768 queries costs 0.84-0.93
+of a pair in a causal square of the same length (`RECTANGLE_PAIR_COST`); shorter pieces
+run in smaller query blocks, whose cost per pair swings with their length, and count as pairs
+(`RECTANGLE_MIN_QUERIES`). On the
+300-document power-law row (shape 1.3, cp = 2) the pair-balanced plan gave one rank a
+long document's tail (13.5M rectangle pairs) and the other the squares of the long
+documents: equal pairs, and the second rank's kernels ran 6-11% longer.
+
+So after the pair-balanced fold the planner folds again with each query weighted by
+what it costs inside its piece of that plan (``(t - s + 1) + rho * s`` for a query
+at offset ``t`` of a piece of >= 768 queries starting at document offset ``s``), and keeps the plan
+whose predicted per-rank kernel work is the most even (two more folds at most; never a
+plan less even in kernel work than the pair-balanced one). Rows
+whose documents are all whole on their ranks have no rectangles: the plan is the
+pair-balanced one. Per-row costs (the kernels' fixed work per query row) are the same
+on every rank (``L`` rows each) and cancel. The model is this CPU kernel's; on CUDA
+the tiles differ, and it is not measured there yet (no device lent).
 """
 
 from __future__ import annotations
@@ -51,29 +77,85 @@ from .shard_plan import ShardPlan, pad_doc_ids, query_work
 BALANCE_TOLERANCE = 0.05
 #: Among fold points whose work is this close to the target, prefer clean cuts.
 _NEAR_TARGET = 0.005
+#: A rectangle's pair costs this fraction of a causal square's (Note [Kernel-aware work]) ...
+RECTANGLE_PAIR_COST = 0.88
+#: ... in pieces of at least this many queries (the CPU kernel's 256-query blocks; shorter pieces, measured
+#: at 0.56-1.2 depending on their length, count pairs as they are)
+RECTANGLE_MIN_QUERIES = 768
+#: Folds with kernel-aware weights after the pair-balanced one.
+_KERNEL_FOLDS = 2
 
 
-def plan_balanced(doc_ids_S: torch.Tensor, world: int, window: Optional[int] = None) -> ShardPlan:
-    """Plan equal-token, equal-work shards (Note [Balanced planner]); work under `window` if given."""
+def plan_balanced(doc_ids_S: torch.Tensor, world: int, window: Optional[int] = None,
+                  kernel_folds: int = _KERNEL_FOLDS) -> ShardPlan:
+    """Plan equal-token, equal-work shards (Note [Balanced planner]); work under `window` if given.
+    `kernel_folds`: folds with kernel-aware weights after the pair-balanced one (0: pairs only)."""
     S = doc_ids_S.numel()
     L = -(-S // world)
     ids = pad_doc_ids(doc_ids_S, L * world)
     offset = query_work(ids).numpy() - 1  # position inside the document (-1 for padding)
     work = query_work(ids, window).numpy()
     length = _document_lengths(ids)
-    best, best_spread = None, float("inf")
+    best, best_spread, best_chunk = None, float("inf"), L
     chunk = max(1, L)
     while True:
         order = _chunk_order(offset, length, chunk)
         assignment = _fold(order, work, world, L)
         spread = _spread(assignment, work)
         if spread < best_spread:
-            best, best_spread = assignment, spread
+            best, best_spread, best_chunk = assignment, spread, chunk
         if best_spread <= BALANCE_TOLERANCE or chunk == 1:
             break
         chunk //= 2
+    if window is None and kernel_folds > 0:
+        best = _kernel_aware(best, offset, length, best_chunk, world, L, kernel_folds)
     positions = torch.from_numpy(np.sort(best, axis=1))
     return ShardPlan("balanced", S, L * world, positions)
+
+
+def _kernel_aware(assignment: np.ndarray, offset: np.ndarray, length: np.ndarray, chunk: int, world: int, L: int,
+                  folds: int) -> np.ndarray:
+    """Fold the pair-balanced plan's chunk order again with each query weighted by its kernel cost in the
+    current plan's pieces; return the plan whose kernel work is the most even (Note [Kernel-aware work])."""
+    order = _chunk_order(offset, length, chunk)
+    best, best_spread = assignment, _spread(assignment, kernel_work(assignment, offset))
+    for _ in range(folds):
+        if best_spread <= 0.0:
+            break
+        candidate = _fold(order, kernel_work(best, offset), world, L)
+        spread = _spread(candidate, kernel_work(candidate, offset))
+        if spread >= best_spread:
+            break
+        best, best_spread = candidate, spread
+    return best
+
+
+def kernel_work(assignment: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """``[S_pad]`` float: each query's kernel cost in pair units under `assignment` ``[W, L]``: its keys
+    inside its piece at 1, the keys before its piece (a rectangle) at `RECTANGLE_PAIR_COST` when the piece
+    has at least `RECTANGLE_MIN_QUERIES` queries (at 1 otherwise); 0 for padding."""
+    start, length = pieces_of(assignment, offset)
+    rate = np.where(length >= RECTANGLE_MIN_QUERIES, RECTANGLE_PAIR_COST, 1.0)
+    cost = (offset - start + 1) + rate * start
+    return np.where(offset < 0, 0.0, cost)
+
+
+def pieces_of(assignment: np.ndarray, offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``([S_pad], [S_pad])``: for each position, the document offset of the first query of its piece
+    (the run of consecutive positions of one document on one rank that holds it) and the piece's length."""
+    positions = np.sort(assignment, axis=1)
+    off = offset[positions]  # [W, L]
+    starts = np.ones_like(off, dtype=bool)
+    starts[:, 1:] = (positions[:, 1:] != positions[:, :-1] + 1) | (off[:, 1:] != off[:, :-1] + 1) | (off[:, 1:] == 0)
+    index = np.arange(off.shape[1])
+    run_first = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+    ends = np.ones_like(starts)  # the last row of each run
+    ends[:, :-1] = starts[:, 1:]
+    run_last = np.minimum.accumulate(np.where(ends, index, off.shape[1])[:, ::-1], axis=1)[:, ::-1]
+    start, length = np.empty_like(offset), np.empty_like(offset)
+    start[positions] = np.take_along_axis(off, run_first, axis=1)
+    length[positions] = run_last - run_first + 1
+    return start, length
 
 
 def _document_lengths(ids: torch.Tensor) -> np.ndarray:
