@@ -247,7 +247,7 @@ def _limit_worker(rank: int, world: int, spec: BenchSpec, repeats: int) -> float
 
 def seed_available() -> bool:
     try:
-        import nemo_automodel.components.distributed.blockdiag_cp.step.batch  # noqa: F401
+        import nemo_automodel.components.distributed.blockdiag_cp.batch  # noqa: F401
     except ImportError:
         return False
     return True
