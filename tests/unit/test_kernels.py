@@ -156,3 +156,32 @@ def test_item_table_rejects_shared_or_outside_key_gradient_rows():
         ItemTable(**base, key_grad_rows=t(1, 1), num_key_grad_rows=3)
     with pytest.raises(AssertionError, match="out of bounds"):
         ItemTable(**base, key_grad_rows=t(0, 3), num_key_grad_rows=3)
+
+
+@pytest.mark.parametrize("keys_after", [0, 3])
+def test_adjacent_unpadded_squares_are_one_slice_call_and_exact(keys_after):
+    """Note [Token-major rows and buckets]: documents of one bucket length that follow each other in the rows
+    are one call read as a slice and written with one copy (no gather, no scatter); a document between them
+    of another length, or keys placed elsewhere, falls back to indices; both equal the direct softmax."""
+    from blockdiag_cp.kernels.sdpa import fused_call_table
+
+    t = lambda *x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    # four 8-token documents (rows 0-31, keys 0-31) and one of 13 (rows 32-44, its own bucket of 16); keys
+    # shifted by `keys_after` for the last two 8-token documents: the call's key rows are then not one run
+    shift = [0, 0, keys_after, keys_after, keys_after]
+    items = ItemTable(t(0, 8, 16, 24, 32), t(8, 8, 8, 8, 13), t(*(a + b for a, b in zip((0, 8, 16, 24, 32), shift))),
+                      t(8, 8, 8, 8, 13), torch.ones(5, dtype=torch.bool), 48, 48)
+    table = fused_call_table(items, torch.device("cpu"))
+    eights = next(c for c in table if c.q.length == 8)
+    assert eights.q.count == 4 and eights.q.start == 0 and eights.q.gather is None and eights.q.write_start == 0
+    assert (eights.k.gather is None) == (keys_after == 0)
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 48, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    kernel = SdpaKernel()
+    out = ItemAttention.apply(q, k, v, kernel, kernel.prepare(items, torch.device("cpu")), CallOptions(0.3))
+    ref = direct(items, q, k, v, 0.3)
+    upstream = torch.randn(2, 48, 8, generator=g, dtype=torch.float64)
+    for got, want in zip(torch.autograd.grad((out * upstream).sum(), (q, k, v)),
+                         torch.autograd.grad((ref * upstream).sum(), (q, k, v))):
+        assert (got - want).abs().max() < 1e-12
+    assert (out - ref).abs().max() < 1e-12

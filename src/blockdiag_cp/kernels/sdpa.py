@@ -25,7 +25,9 @@ whole ``[H, L, D]``. The call table, built once per step, groups the pieces:
   contiguous rows (no index);
 - shorter causal squares (short documents, and the square part of short pieces)
   are padded at their end up to a bucket length (a grid 6-12% apart) and
-  batched ``G`` at a time into one call. Causality hides the pad keys from every
+  batched ``G`` at a time into one call; a call whose items need no padding and
+  follow each other in the rows (512 documents of 64 tokens: one call of them all)
+  reads them as one slice and writes them with one ``copy_``, no gather or scatter. Causality hides the pad keys from every
   real query; pad queries write to a dummy row in forward and carry ``lse = +inf``
   in backward (their probabilities are exactly 0), so they contribute nothing;
 - prefix parts and full blocks (another rank's keys in the ring) are batched by
@@ -126,31 +128,34 @@ class Rows:
     pad: Optional[torch.Tensor] = None
     write_start: Optional[int] = None  # writes are this slice (None: `scatter`), read and write rows may differ
 
+    @property
+    def rows(self) -> int:
+        return self.count * self.length
+
     def take(self, t_RX: torch.Tensor) -> torch.Tensor:
         """``[G * length, ...]``: the rows (a view for a slice)."""
         if self.start is not None:
-            return t_RX[self.start : self.start + self.length]
+            return t_RX[self.start : self.start + self.rows]
         return t_RX.index_select(0, self.gather)
 
     def take_heads(self, t_HRD: torch.Tensor) -> torch.Tensor:
         """``[G, H, length, D]`` from a contiguous (head-major) `t_HRD`, each head's rows
         contiguous: a view for a slice, one gathered copy otherwise (Note [Head-major call inputs])."""
-        if self.start is not None:
-            return t_HRD[:, self.start : self.start + self.length].unsqueeze(0)
-        heads = t_HRD.index_select(1, self.gather)  # [H, G * length, D]
+        heads = t_HRD[:, self.start : self.start + self.rows] if self.start is not None else t_HRD.index_select(
+            1, self.gather)  # [H, G * length, D]
         return heads.unflatten(1, (self.count, self.length)).transpose(0, 1)
 
     def put(self, t_RX: torch.Tensor, value_TX: torch.Tensor) -> None:
         """Write the rows of `t_RX` (which has the dummy row) in place."""
         if self.write_start is not None:
-            t_RX[self.write_start : self.write_start + self.length].copy_(value_TX)
+            t_RX[self.write_start : self.write_start + self.rows].copy_(value_TX)
         else:
             t_RX.index_copy_(0, self.scatter, value_TX.to(t_RX.dtype))
 
     def add(self, t_RX: torch.Tensor, value_TX: torch.Tensor) -> None:
         """Add into the rows of `t_RX` (which has the dummy row) in place."""
         if self.write_start is not None:
-            t_RX[self.write_start : self.write_start + self.length].add_(value_TX)
+            t_RX[self.write_start : self.write_start + self.rows].add_(value_TX)
         else:
             t_RX.index_add_(0, self.scatter, value_TX.to(t_RX.dtype))
 
@@ -179,21 +184,24 @@ class FusedCall:
 def _rows(starts: list[int], reals: list[int], length: int, dummy: int, device: torch.device, step: int = 1,
           write: Optional["WriteRows"] = None) -> Rows:
     """Rows for items of `reals` real rows from `starts` (ascending, or descending with ``step=-1``), padded to
-    `length`; writes go to ``write.rows[row]`` (and pads to ``write.dummy``) when `write` is given."""
-    single = len(starts) == 1 and reals[0] == length and step == 1
-    if single and write is None:
-        return Rows(1, length, start=starts[0], write_start=starts[0])
+    `length`; writes go to ``write.rows[row]`` (and pads to ``write.dummy``) when `write` is given.
+
+    Items that need no padding and follow each other (``starts[i + 1] == starts[i] + length``) are one
+    slice: read as a view, written in one ``copy_`` (Note [Token-major rows and buckets])."""
+    run = step == 1 and all(r == length for r in reals) and all(
+        b - a == length for a, b in zip(starts, starts[1:]))
+    if run and write is None:
+        return Rows(len(starts), length, start=starts[0], write_start=starts[0])
     start, real = torch.tensor(starts).unsqueeze(1), torch.tensor(reals).unsqueeze(1)
     offset = torch.arange(length).unsqueeze(0)
     is_pad = offset >= real
     gather = start + step * torch.minimum(offset, real - 1)
     target, dummy = (gather, dummy) if write is None else (write.rows[gather], write.dummy)
     scatter = torch.where(is_pad, dummy, target).reshape(-1)
-    if single and bool((scatter[1:] == scatter[:-1] + 1).all()):
-        return Rows(1, length, start=starts[0], write_start=int(scatter[0]))
+    if run and bool((scatter[1:] == scatter[:-1] + 1).all()):
+        return Rows(len(starts), length, start=starts[0], write_start=int(scatter[0]))
     pad = is_pad.reshape(-1).to(device) if bool(is_pad.any()) else None
-    read_start = starts[0] if single else None
-    return Rows(len(starts), length, read_start, None if single else gather.reshape(-1).to(device),
+    return Rows(len(starts), length, starts[0] if run else None, None if run else gather.reshape(-1).to(device),
                 scatter.to(device), pad)
 
 
