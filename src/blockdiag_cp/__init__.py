@@ -57,7 +57,7 @@ if _typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time each n
     from .step.slot import current_step
     from .step.state import StepState
 
-__version__ = "0.8.0"
+__version__ = "0.9.0"
 
 __all__ = (
     "CPConfig",
