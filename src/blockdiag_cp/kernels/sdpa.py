@@ -25,11 +25,12 @@ whole ``[H, L, D]``. The call table, built once per step, groups the pieces:
   contiguous rows (no index);
 - shorter causal squares (short documents, and the square part of short pieces)
   are padded at their end up to a bucket length (a grid 6-12% apart) and
-  batched ``G`` at a time into one call; a call whose items need no padding and
-  follow each other in the rows (512 documents of 64 tokens: one call of them all)
-  reads them as one slice and writes them with one ``copy_``, no gather or scatter. Causality hides the pad keys from every
+  batched ``G`` at a time into one call. Causality hides the pad keys from every
   real query; pad queries write to a dummy row in forward and carry ``lse = +inf``
-  in backward (their probabilities are exactly 0), so they contribute nothing;
+  in backward (their probabilities are exactly 0), so they contribute nothing. A
+  call whose items need no padding and follow each other in the rows (512
+  documents of 64 tokens: one call of them all) reads them as one slice and writes
+  them with one ``copy_``: no gather, no scatter;
 - prefix parts and full blocks (another rank's keys in the ring) are batched by
   exact shape.
 
