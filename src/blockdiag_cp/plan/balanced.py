@@ -44,23 +44,23 @@ Equal pairs are not equal time. A rank's queries whose document began on another
 rank see those earlier keys as a rectangle (no mask: every pair is used), the rest as
 causal squares, whose diagonal tiles the fused kernels compute whole and then mask.
 Measured with torch's fused CPU kernel (``python benchmarks/pair_cost.py``, 8 heads of
-64, fp32, forward + backward): a pair of a rectangle of >= 768 queries costs 0.84-0.93
-of a pair in a causal square of the same length (`RECTANGLE_PAIR_COST`); shorter pieces
-run in smaller query blocks, whose cost per pair swings with their length, and count as pairs
-(`RECTANGLE_MIN_QUERIES`). On the
-300-document power-law row (shape 1.3, cp = 2) the pair-balanced plan gave one rank a
-long document's tail (13.5M rectangle pairs) and the other the squares of the long
-documents: equal pairs, and the second rank's kernels ran 6-11% longer.
+64, fp32, forward + backward), a pair of a rectangle of 768-2048 queries cost 0.56-0.93
+of a pair in a causal square of the same length (1.00 at 4096 x 4096): the planner
+uses 0.88 (`RECTANGLE_PAIR_COST`). Shorter pieces run in smaller query blocks, whose
+cost per pair swings with their length; they count as pairs (`RECTANGLE_MIN_QUERIES`).
+On the 300-document power-law row (shape 1.3, cp = 2) the pair-balanced plan gave one
+rank a long document's tail (13.5M rectangle pairs) and the other the squares of the
+long documents: equal pairs, and the second rank's kernels ran 6-11% longer.
 
-So after the pair-balanced fold the planner folds again with each query weighted by
-what it costs inside its piece of that plan (``(t - s + 1) + rho * s`` for a query
-at offset ``t`` of a piece of >= 768 queries starting at document offset ``s``), and keeps the plan
-whose predicted per-rank kernel work is the most even (two more folds at most; never a
-plan less even in kernel work than the pair-balanced one). Rows
-whose documents are all whole on their ranks have no rectangles: the plan is the
+So after the pair-balanced fold the planner folds the same chunk order again, each
+query weighted by what it costs inside its piece of the current plan (``(t - s + 1) +
+rho * s`` for a query at offset ``t`` of a piece of >= 768 queries starting at document
+offset ``s``), and keeps the plan whose kernel work is the most even: two more folds at
+most, never a plan less even in kernel work than the pair-balanced one. Rows whose
+documents are all whole on their ranks have no rectangles: their plan is the
 pair-balanced one. Per-row costs (the kernels' fixed work per query row) are the same
-on every rank (``L`` rows each) and cancel. The model is this CPU kernel's; on CUDA
-the tiles differ, and it is not measured there yet (no device lent).
+on every rank (``L`` rows each) and cancel. The model is the CPU kernel's; on CUDA the
+tiles differ, and it is not measured there yet (no device lent).
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ BALANCE_TOLERANCE = 0.05
 _NEAR_TARGET = 0.005
 #: A rectangle's pair costs this fraction of a causal square's (Note [Kernel-aware work]) ...
 RECTANGLE_PAIR_COST = 0.88
-#: ... in pieces of at least this many queries (the CPU kernel's 256-query blocks; shorter pieces, measured
-#: at 0.56-1.2 depending on their length, count pairs as they are)
+#: ... in pieces of at least this many queries (where the CPU kernel runs 256-query blocks); shorter pieces run
+#: 32- or 64-query blocks whose per-pair cost depends mostly on their own length, and count pairs as they are
 RECTANGLE_MIN_QUERIES = 768
 #: Folds with kernel-aware weights after the pair-balanced one.
 _KERNEL_FOLDS = 2
