@@ -239,9 +239,7 @@ class FusedCallTable:
 
 def fused_call_table(items: ItemTable, device: torch.device) -> FusedCallTable:
     """`fused_calls`, the query rows they leave untouched and the gradient rows to zero first."""
-    touch_q = FirstTouch(items.num_q_rows)
-    touch_k = FirstTouch(items.num_k_rows) if items.key_grad_rows is None else FirstTouch(
-        items.num_key_grad_rows, items.key_grad_rows)
+    touch_q, touch_k = FirstTouch.of(items)
     calls = fused_calls(items, device, touch_q, touch_k)
     rows = (torch.nonzero(~mask).flatten().to(device) for mask in (touch_q.seen, touch_q.written, touch_k.written))
     return FusedCallTable(calls, *rows, k_grad_rows=touch_k.seen.numel())
@@ -254,6 +252,13 @@ class FirstTouch:
         """`rows` written rows; `remap`: the written row of each row read (None: the same)."""
         self.seen, self.written = torch.zeros(rows, dtype=torch.bool), torch.zeros(rows, dtype=torch.bool)
         self.remap = remap
+
+    @staticmethod
+    def of(items: ItemTable) -> tuple["FirstTouch", "FirstTouch"]:
+        """Fresh records of `items`' query rows and key gradient rows (the buffer's, or its `key_grad_rows`)."""
+        keys = FirstTouch(items.num_k_rows) if items.key_grad_rows is None else FirstTouch(
+            items.num_key_grad_rows, items.key_grad_rows)
+        return FirstTouch(items.num_q_rows), keys
 
     def mark(self, starts: list[int], reals: list[int], step: int) -> bool:
         """Whether none of these rows (``reals[i]`` rows from ``starts[i]``, upwards or downwards) was
@@ -294,8 +299,8 @@ def fused_calls(items: ItemTable, device: torch.device, touch_q: Optional["First
     """The calls of `items` (Notes [Bottom-right causal...], [Token-major rows and buckets] and
     [Sliding windows from causal squares]). First-touch calls come first, merging calls after.
     `touch_q` / `touch_k` (filled in): the query / key rows the calls touch, and those first-touch calls write."""
-    touch_q = FirstTouch(items.num_q_rows) if touch_q is None else touch_q
-    touch_k = FirstTouch(items.num_k_rows) if touch_k is None else touch_k
+    if touch_q is None or touch_k is None:
+        touch_q, touch_k = FirstTouch.of(items)
     write_k = None if items.key_grad_rows is None else WriteRows(items.key_grad_rows, items.num_key_grad_rows)
     groups: Groups = defaultdict(list)
     rows = zip(*(t.tolist() for t in (items.q_start, items.q_len, items.k_start, items.k_len, items.causal)))

@@ -96,28 +96,27 @@ def plan_balanced(doc_ids_S: torch.Tensor, world: int, window: Optional[int] = N
     offset = query_work(ids).numpy() - 1  # position inside the document (-1 for padding)
     work = query_work(ids, window).numpy()
     length = _document_lengths(ids)
-    best, best_spread, best_chunk = None, float("inf"), L
+    best, best_spread, best_order = None, float("inf"), None
     chunk = max(1, L)
     while True:
         order = _chunk_order(offset, length, chunk)
         assignment = _fold(order, work, world, L)
         spread = _spread(assignment, work)
         if spread < best_spread:
-            best, best_spread, best_chunk = assignment, spread, chunk
+            best, best_spread, best_order = assignment, spread, order
         if best_spread <= BALANCE_TOLERANCE or chunk == 1:
             break
         chunk //= 2
     if window is None and kernel_folds > 0:
-        best = _kernel_aware(best, offset, length, best_chunk, world, L, kernel_folds)
+        best = _kernel_aware(best, best_order, offset, world, L, kernel_folds)
     positions = torch.from_numpy(np.sort(best, axis=1))
     return ShardPlan("balanced", S, L * world, positions)
 
 
-def _kernel_aware(assignment: np.ndarray, offset: np.ndarray, length: np.ndarray, chunk: int, world: int, L: int,
+def _kernel_aware(assignment: np.ndarray, order: np.ndarray, offset: np.ndarray, world: int, L: int,
                   folds: int) -> np.ndarray:
-    """Fold the pair-balanced plan's chunk order again with each query weighted by its kernel cost in the
+    """Fold the pair-balanced plan's chunk `order` again with each query weighted by its kernel cost in the
     current plan's pieces; return the plan whose kernel work is the most even (Note [Kernel-aware work])."""
-    order = _chunk_order(offset, length, chunk)
     best, best_spread = assignment, _spread(assignment, kernel_work(assignment, offset))
     for _ in range(folds):
         if best_spread <= 0.0:
