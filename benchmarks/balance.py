@@ -57,7 +57,7 @@ def zigzag_plan(doc_ids: torch.Tensor, world: int) -> ShardPlan:
     padded = chunk * 2 * world
     chunks = torch.arange(padded).reshape(2 * world, chunk)
     positions = torch.stack([torch.cat([chunks[r], chunks[2 * world - 1 - r]]) for r in range(world)])
-    return ShardPlan("zigzag", doc_ids.numel(), padded, positions)
+    return ShardPlan.from_rows("zigzag", doc_ids.numel(), positions)
 
 
 def needed_bytes(plan: ShardPlan, doc_ids: torch.Tensor) -> int:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from .errors import CPTypeError, check_choice
+from .plan.options import DEFAULT_TOKEN_CAP, PlanOptions
+from .plan.step_costs import StepCosts
 from .registry import EXCHANGES, KERNELS, LAYOUTS
 
 
@@ -23,7 +25,10 @@ class CPConfig:
             PyTorch's fused attention called per document piece; ``"flash"``,
             ``"te"``, ``"flex"`` are the GPU kernels.
         layout: the token-to-rank assignment: ``"contiguous"`` (the seed's equal
-            contiguous chunks) or ``"balanced"`` (equal attention work per rank).
+            contiguous chunks), ``"balanced"`` (equal attention work per rank) or
+            ``"grouped"`` (each document on the fewest nearby ranks its work needs, modeled
+            time balanced; ranks may hold different numbers of tokens: the layout of
+            `make_cp_world_batch_and_ctx`, Note [Grouped planner]).
         check_ranks_agree: at step start, verify with one small collective that
             every rank of the CP group holds the same document ids (a mismatch
             raises the same error everywhere instead of hanging). Turn off for speed.
@@ -39,6 +44,11 @@ class CPConfig:
             ``"auto"``: the degree with the fewest bytes per rank (needs `attention_heads`).
         attention_heads: ``(query heads, K/V heads)`` of the model's attention, for the
             byte model of ``ulysses_degree="auto"``.
+        ranks_per_node: (grouped) ranks ``r // ranks_per_node`` share a node; a document's
+            group crosses nodes only when its work needs more ranks. None: one node.
+        token_cap: (grouped) a rank's tokens at most this times the mean (memory), >= 1.
+        step_costs: (grouped) the step's cost model (`blockdiag_cp.plan.StepCosts`, e.g.
+            ``StepCosts.from_config(model.config)``); None: a 1B-class Llama's.
     """
 
     kv_exchange: str = "auto"
@@ -48,6 +58,9 @@ class CPConfig:
     balance_window: Optional[int] = None
     ulysses_degree: Union[int, str] = 1
     attention_heads: Optional[tuple[int, int]] = None
+    ranks_per_node: Optional[int] = None
+    token_cap: float = DEFAULT_TOKEN_CAP
+    step_costs: Optional[StepCosts] = None
 
     def __post_init__(self) -> None:
         check_choice("kv_exchange", self.kv_exchange, EXCHANGES.choices)
@@ -61,10 +74,19 @@ class CPConfig:
         if window is not None and window < 1:
             raise ValueError(f"balance_window must be >= 1, got {window}")
         _check_ulysses(self.ulysses_degree, self.attention_heads)
+        self.plan_options()  # validates the grouped knobs
+        if self.layout == "grouped" and self.ulysses_degree != 1:
+            raise ValueError(f"ulysses_degree={self.ulysses_degree!r} needs equal shards (head all-to-alls of equal "
+                             "chunks); the grouped layout gives ranks different lengths: use layout='balanced'")
         heads, degree = self.attention_heads, self.ulysses_degree
         if heads is not None and isinstance(degree, int) and heads[0] % degree:
             raise ValueError(f"ulysses_degree={degree} splits the query heads: attention_heads={heads} has "
                              f"{heads[0]} query heads, not divisible by {degree}")
+
+    def plan_options(self) -> PlanOptions:
+        """The layout's knobs: the work model's window and the grouped layout's."""
+        return PlanOptions(ranks_per_node=self.ranks_per_node, token_cap=self.token_cap, costs=self.step_costs,
+                           window=self.balance_window)
 
     def ulysses_problem(self, world: int) -> Optional[ValueError]:
         """Why `ulysses_degree` cannot split a CP group of `world` ranks (None if it can)."""

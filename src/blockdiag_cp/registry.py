@@ -89,4 +89,6 @@ EXCHANGES = Registry("kv_exchange", (
 LAYOUTS = Registry("layout", (
     Strategy("contiguous", "plan.contiguous:plan_contiguous", "equal contiguous chunks (the seed's)"),
     Strategy("balanced", "plan.balanced:plan_balanced", "equal tokens and equal causal attention work per rank"),
+    Strategy("grouped", "plan.grouped:plan_grouped",
+             "each document on the fewest nearby ranks its work needs, modeled time balanced (whole batches)"),
 ), has_auto=False)

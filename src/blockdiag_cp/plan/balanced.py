@@ -70,26 +70,24 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..step.doc_ids import run_starts
+from .runs import run_starts
+from .options import PlanOptions
 from .shard_plan import ShardPlan, pad_doc_ids, query_work
+from .step_costs import RECTANGLE_MIN_QUERIES, RECTANGLE_PAIR_COST
 
 #: Target: every rank's work within this fraction of the mean.
 BALANCE_TOLERANCE = 0.05
 #: Among fold points whose work is this close to the target, prefer clean cuts.
 _NEAR_TARGET = 0.005
-#: A rectangle's pair costs this fraction of a causal square's (Note [Kernel-aware work]) ...
-RECTANGLE_PAIR_COST = 0.88
-#: ... in pieces of at least this many queries (where the CPU kernel runs 256-query blocks); shorter pieces run
-#: 32- or 64-query blocks whose per-pair cost depends mostly on their own length, and count pairs as they are
-RECTANGLE_MIN_QUERIES = 768
 #: Folds with kernel-aware weights after the pair-balanced one.
 _KERNEL_FOLDS = 2
 
 
-def plan_balanced(doc_ids_S: torch.Tensor, world: int, window: Optional[int] = None,
+def plan_balanced(doc_ids_S: torch.Tensor, world: int, options: Optional[PlanOptions] = None,
                   kernel_folds: int = _KERNEL_FOLDS) -> ShardPlan:
-    """Plan equal-token, equal-work shards (Note [Balanced planner]); work under `window` if given.
+    """Plan equal-token, equal-work shards (Note [Balanced planner]); work under ``options.window`` if given.
     `kernel_folds`: folds with kernel-aware weights after the pair-balanced one (0: pairs only)."""
+    window = None if options is None else options.window
     S = doc_ids_S.numel()
     L = -(-S // world)
     ids = pad_doc_ids(doc_ids_S, L * world)
@@ -110,7 +108,7 @@ def plan_balanced(doc_ids_S: torch.Tensor, world: int, window: Optional[int] = N
     if window is None and kernel_folds > 0:
         best = _kernel_aware(best, best_order, offset, world, L, kernel_folds)
     positions = torch.from_numpy(np.sort(best, axis=1))
-    return ShardPlan("balanced", S, L * world, positions)
+    return ShardPlan.from_rows("balanced", S, positions)
 
 
 def _kernel_aware(assignment: np.ndarray, order: np.ndarray, offset: np.ndarray, world: int, L: int,

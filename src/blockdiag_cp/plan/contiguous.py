@@ -6,12 +6,13 @@ from typing import Optional
 
 import torch
 
+from .options import PlanOptions
 from .shard_plan import ShardPlan
 
 
-def plan_contiguous(doc_ids_S: torch.Tensor, world: int, window: Optional[int] = None) -> ShardPlan:
+def plan_contiguous(doc_ids_S: torch.Tensor, world: int, options: Optional[PlanOptions] = None) -> ShardPlan:
     """Pad to a multiple of `world`; rank r owns ``[r*L, (r+1)*L)``."""
     S = doc_ids_S.numel()
     local_len = -(-S // world)
     positions = torch.arange(local_len * world).reshape(world, local_len)
-    return ShardPlan("contiguous", S, local_len * world, positions)
+    return ShardPlan.from_rows("contiguous", S, positions)

@@ -151,7 +151,7 @@ def _ulysses_bytes(W: int, L: int, degree: int, H: int, Hk: int, elem_bytes: int
 def choose_ulysses_degree(doc_ids_S: torch.Tensor, world: int, config: CPConfig) -> DegreeChoice:
     """``ulysses_degree="auto"``: the degree whose busiest rank sends the fewest bytes (Note [Scheme costs])."""
     heads = config.attention_heads
-    plan = make_plan(doc_ids_S.cpu(), world, config.layout, config.balance_window)
+    plan = make_plan(doc_ids_S.cpu(), world, config.layout, config.plan_options())
     return pick_degree([scheme_cost(plan, doc_ids_S, u, heads, exchange=config.kv_exchange)
                         for u in candidate_degrees(world, heads[0])])
 

@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..step.doc_ids import doc_starts, run_starts
+from .runs import doc_starts, run_starts
 from .shard_plan import ShardPlan, pad_doc_ids
 from .ranges import concat_ranges
 
@@ -76,14 +76,16 @@ class Needs:
             rows.append(inside & (positions < hi.index_select(0, index.clamp(min=0))) if lo.numel() else inside)
         return torch.stack(rows)
 
-    def transfer(self, positions_WL: torch.Tensor) -> torch.Tensor:
+    def transfer(self, plan: ShardPlan) -> torch.Tensor:
         """``[W (dst), W (src)]``: rows ``dst`` needs that ``src`` owns (0 on the diagonal)."""
-        W = positions_WL.shape[0]
+        W = plan.world
         counts = torch.zeros(W, W, dtype=torch.long)
         for dst in range(W):
+            if not self.lo[dst].numel():
+                continue
             for src in range(W):
-                if src != dst and self.lo[dst].numel():
-                    owned = positions_WL[src]
+                if src != dst:
+                    owned = plan.rank_positions(src)
                     inside = torch.searchsorted(owned, self.hi[dst]) - torch.searchsorted(owned, self.lo[dst])
                     counts[dst, src] = int(inside.sum())
         return counts
@@ -122,7 +124,7 @@ class StepGeometry:
         starts = run_starts(ids)
         run = torch.cumsum(starts.long(), dim=0) - 1
         run_start = torch.nonzero(starts).flatten()
-        last = _last_query_by_run(plan.positions_WL, ids, run, run_start.numel())
+        last = _last_query_by_run(plan, ids, run, run_start.numel())
         return StepGeometry(plan, ids, doc_starts(ids), plan.owner(), plan.local_index(), run, run_start, last)
 
     @property
@@ -194,8 +196,9 @@ class StepGeometry:
 
     @functools.cached_property
     def gathered_row(self) -> torch.Tensor:
-        """``[S_pad]``: each position's row in the rank-ordered concatenation of all shards."""
-        return self.owner * self.plan.local_len + self.local_index
+        """``[S_pad]``: each position's row in the rank-ordered concatenation of all shards, each shard
+        padded to the longest (``max_local_len`` rows: what an all-gather of equal blocks delivers)."""
+        return self.owner * self.plan.max_local_len + self.local_index
 
     @functools.cached_property
     def transfer(self) -> torch.Tensor:
@@ -204,7 +207,7 @@ class StepGeometry:
 
     def transfer_under(self, window: Optional[int]) -> torch.Tensor:
         """`transfer` under a sliding `window` (None: full causal)."""
-        return self.needs(window).transfer(self.plan.positions_WL)
+        return self.needs(window).transfer(self.plan)
 
 
 def _merge_ranges(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,17 +222,16 @@ def _merge_ranges(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, tor
     return lo[new], merged_hi
 
 
-def _last_query_by_run(positions_WL: torch.Tensor, ids: torch.Tensor, run: torch.Tensor, runs: int) -> torch.Tensor:
+def _last_query_by_run(plan: ShardPlan, ids: torch.Tensor, run: torch.Tensor, runs: int) -> torch.Tensor:
     """``[W, runs]``: the last position of each run holding a real query of rank j (-1: none).
 
-    Each rank's positions ascend, so its last position in a run is where the run changes.
+    Each rank's positions ascend, so its last position in a run is where the run (or the rank) changes.
     """
-    flat = positions_WL.reshape(-1)
-    run_WL = run.index_select(0, flat).reshape(positions_WL.shape)
-    last_in_run = torch.ones_like(run_WL, dtype=torch.bool)
-    last_in_run[:, :-1] = run_WL[:, 1:] != run_WL[:, :-1]
-    keep = last_in_run & (ids.index_select(0, flat) != 0).reshape(positions_WL.shape)
-    rank = torch.arange(positions_WL.shape[0]).unsqueeze(1).expand_as(positions_WL)
-    last = torch.full((positions_WL.shape[0], runs), -1, dtype=torch.long)
-    last[rank[keep], run_WL[keep]] = positions_WL[keep]
+    flat, rank = plan.positions, plan.rank_of_row
+    run_flat = run.index_select(0, flat)
+    last_in_run = torch.ones_like(run_flat, dtype=torch.bool)
+    last_in_run[:-1] = (run_flat[1:] != run_flat[:-1]) | (rank[1:] != rank[:-1])
+    keep = last_in_run & (ids.index_select(0, flat) != 0)
+    last = torch.full((plan.world, runs), -1, dtype=torch.long)
+    last[rank[keep], run_flat[keep]] = flat[keep]
     return last

@@ -1,11 +1,13 @@
 """`plan_shards`: the token-to-rank assignment, by the layout registry's planner.
 
-Each planner is a strategy ``(doc_ids [S], world, window) -> ShardPlan`` (``window``:
-the model's sliding window for the work model, None for full causal attention),
+Each planner is a strategy ``(doc_ids [S], world, options: PlanOptions) -> ShardPlan``
+(`PlanOptions`: the work model's sliding window, and the grouped layout's knobs),
 registered in `blockdiag_cp.registry.LAYOUTS`:
 
-    contiguous   the seed's equal contiguous chunks            (contiguous.py)
-    balanced     equal tokens and equal causal attention work  (balanced.py)
+    contiguous   the seed's equal contiguous chunks                         (contiguous.py)
+    balanced     equal tokens and equal causal attention work               (balanced.py)
+    grouped      each document on the fewest nearby ranks its work needs,   (grouped.py)
+                 modeled time balanced (a whole global batch over dp x cp)
 """
 
 from __future__ import annotations
@@ -16,21 +18,27 @@ import torch
 
 from ..errors import CPTypeError, check_choice
 from ..registry import LAYOUTS
-from ..step.doc_ids import validate_doc_ids
+from .runs import validate_doc_ids
+from .options import DEFAULT_TOKEN_CAP, PlanOptions
 from .shard_plan import ShardPlan
+from .step_costs import StepCosts
 
 
 def plan_shards(
-    doc_ids: torch.Tensor, world: int, layout: str = "contiguous", window: Optional[int] = None
+    doc_ids: torch.Tensor, world: int, layout: str = "contiguous", window: Optional[int] = None, *,
+    ranks_per_node: Optional[int] = None, token_cap: float = DEFAULT_TOKEN_CAP, costs: Optional[StepCosts] = None,
 ) -> ShardPlan:
     """Assign the padded row's positions to `world` ranks.
 
     Args:
         doc_ids: ``[1, S]`` or ``[S]`` integer document ids, 0 = padding.
         world: number of CP ranks (>= 1).
-        layout: ``"contiguous"`` or ``"balanced"``.
-        window: the balanced layout's work model counts a sliding window of this size
-            (every layer windowed); None: full causal attention.
+        layout: ``"contiguous"``, ``"balanced"`` or ``"grouped"``.
+        window: the balanced and grouped layouts' work model counts a sliding window of
+            this size (every layer windowed); None: full causal attention.
+        ranks_per_node, token_cap, costs: the grouped layout's knobs (`PlanOptions`):
+            ranks ``r // ranks_per_node`` share a node (None: one node), a rank's tokens at
+            most `token_cap` times the mean, the step's cost model (None: `StepCosts()`).
 
     Returns:
         The `ShardPlan`; `make_cp_blockdiag_batch_and_ctx` with the same layout
@@ -50,12 +58,11 @@ def plan_shards(
         raise ValueError(f"doc_ids must hold one packed row, got batch size {ids_1S.shape[0]}")
     if ids_1S.shape[1] == 0:
         raise ValueError("doc_ids is empty: the sequence must hold at least one token")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    options = PlanOptions(ranks_per_node=ranks_per_node, token_cap=token_cap, costs=costs, window=window)
     ids_S = validate_doc_ids(ids_1S, ids_1S.shape[1], 1).reshape(-1).cpu()
-    return make_plan(ids_S, world, layout, window)
+    return make_plan(ids_S, world, layout, options)
 
 
-def make_plan(doc_ids_S: torch.Tensor, world: int, layout: str, window: Optional[int] = None) -> ShardPlan:
+def make_plan(doc_ids_S: torch.Tensor, world: int, layout: str, options: Optional[PlanOptions] = None) -> ShardPlan:
     """`plan_shards` for ids already validated: ``[S]`` int64 on the CPU."""
-    return LAYOUTS[layout].load()(doc_ids_S, world, window)
+    return LAYOUTS[layout].load()(doc_ids_S, world, PlanOptions() if options is None else options)

@@ -1,8 +1,9 @@
 """`ShardPlan` (which padded-row positions each CP rank owns) and the attention work model.
 
-A plan pads the packed row to ``padded_len`` (a multiple of ``world``) and gives each
-rank ``local_len = padded_len // world`` positions, listed in ascending order. Every
-position belongs to exactly one rank, so shapes are equal on every rank.
+A plan pads the packed row to ``padded_len`` and gives each rank its positions, listed in
+ascending order; every position belongs to exactly one rank. The contiguous and balanced
+layouts pad to a multiple of ``world`` and give every rank ``L = padded_len // world``
+positions (equal shapes on every rank); the grouped layout may give ranks different lengths.
 
 The work model: a real query at position ``g`` of a document starting at ``s`` sees
 ``g - s + 1`` keys (``min(g - s + 1, w)`` under a sliding window ``w``: a windowed
@@ -12,12 +13,14 @@ of that over the real positions it owns.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from ..step.doc_ids import doc_starts
+from ..errors import ensure
+from .runs import doc_starts
 
 
 @dataclass(frozen=True)
@@ -25,47 +28,93 @@ class ShardPlan:
     """Which padded-sequence positions each CP rank owns.
 
     Attributes:
-        layout: the planner that made it (``"contiguous"`` or ``"balanced"``).
+        layout: the planner that made it (``"contiguous"``, ``"balanced"`` or ``"grouped"``).
         seq_len: ``S``, the unpadded length.
-        padded_len: ``S_pad``, a multiple of ``world``; positions ``>= S`` are padding.
-        positions_WL: ``[W, L]`` int64 (CPU): rank ``r``'s positions, ascending.
+        padded_len: ``S_pad``; positions ``>= S`` are padding.
+        positions: ``[S_pad]`` int64 (CPU): rank 0's positions ascending, then rank 1's, ...
+        local_lens: ``L_r``, how many positions each rank owns (sums to ``S_pad``).
+
+    The contiguous and balanced layouts give every rank the same ``L`` (`equal_shards`;
+    `positions_WL` is then ``[W, L]``); the grouped layout may give ranks different lengths
+    (Note [Unequal shards] in grouped.py).
     """
 
     layout: str
     seq_len: int
     padded_len: int
-    positions_WL: torch.Tensor
+    positions: torch.Tensor
+    local_lens: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        ensure(sum(self.local_lens) == self.padded_len == self.positions.numel(), "a plan places every position once")
+        ensure(min(self.local_lens) >= 1, "every rank owns at least one position")
+
+    @staticmethod
+    def from_rows(layout: str, seq_len: int, positions_WL: torch.Tensor) -> "ShardPlan":
+        """The plan giving rank ``r`` the positions ``positions_WL[r]`` (``[W, L]``, each row ascending)."""
+        W, L = positions_WL.shape
+        return ShardPlan(layout, seq_len, W * L, positions_WL.reshape(-1), (L,) * W)
 
     @property
     def world(self) -> int:
-        return self.positions_WL.shape[0]
+        return len(self.local_lens)
+
+    @functools.cached_property
+    def offsets(self) -> torch.Tensor:
+        """``[W + 1]`` int64: rank ``r`` owns ``positions[offsets[r]:offsets[r + 1]]``."""
+        return torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(torch.tensor(self.local_lens), 0)])
+
+    @property
+    def equal_shards(self) -> bool:
+        """Every rank owns the same number of positions."""
+        return len(set(self.local_lens)) == 1
+
+    @property
+    def max_local_len(self) -> int:
+        return max(self.local_lens)
 
     @property
     def local_len(self) -> int:
-        return self.positions_WL.shape[1]
+        """``L``, the positions of every rank (a plan of equal shards only; see `local_len_of`)."""
+        if not self.equal_shards:
+            raise ValueError(f"the {self.layout} plan gives ranks different lengths ({min(self.local_lens)} to "
+                             f"{max(self.local_lens)} positions): ask for one rank's, local_len_of(rank)")
+        return self.local_lens[0]
+
+    def local_len_of(self, rank: int) -> int:
+        """How many positions `rank` owns."""
+        return self.local_lens[rank]
+
+    @property
+    def positions_WL(self) -> torch.Tensor:
+        """``[W, L]``: rank ``r``'s positions, ascending (a plan of equal shards only)."""
+        return self.positions.reshape(self.world, self.local_len)
 
     def rank_positions(self, rank: int) -> torch.Tensor:
-        """``[L]`` LongTensor: the padded-sequence positions `rank` owns, in local order."""
+        """``[L_r]`` LongTensor: the padded-sequence positions `rank` owns, in local order."""
         if not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} is outside the plan's world of {self.world}")
-        return self.positions_WL[rank]
+        return self.positions.narrow(0, int(self.offsets[rank]), self.local_lens[rank])
 
     def contiguous_start(self, rank: int) -> Optional[int]:
         """First position of `rank` if it owns one contiguous range, else None."""
-        pos = self.positions_WL[rank]
+        pos = self.rank_positions(rank)
         first = int(pos[0])
-        expected = torch.arange(first, first + self.local_len)
-        return first if torch.equal(pos, expected) else None
+        return first if int(pos[-1]) - first + 1 == pos.numel() else None
+
+    @functools.cached_property
+    def rank_of_row(self) -> torch.Tensor:
+        """``[S_pad]`` int64: the rank of each entry of `positions` (0 for rank 0's rows, then 1, ...)."""
+        return torch.arange(self.world).repeat_interleave(torch.tensor(self.local_lens))
 
     def owner(self) -> torch.Tensor:
         """``[S_pad]`` int64: the rank owning each position."""
-        ranks = torch.arange(self.world).repeat_interleave(self.local_len)
-        return torch.empty(self.padded_len, dtype=torch.long).scatter_(0, self.positions_WL.reshape(-1), ranks)
+        return torch.empty(self.padded_len, dtype=torch.long).scatter_(0, self.positions, self.rank_of_row)
 
     def local_index(self) -> torch.Tensor:
         """``[S_pad]`` int64: each position's index in its owner's local order."""
-        local = torch.arange(self.local_len).repeat(self.world)
-        return torch.empty(self.padded_len, dtype=torch.long).scatter_(0, self.positions_WL.reshape(-1), local)
+        local = torch.arange(self.padded_len) - self.offsets[:-1].index_select(0, self.rank_of_row)
+        return torch.empty(self.padded_len, dtype=torch.long).scatter_(0, self.positions, local)
 
 
 def pad_doc_ids(doc_ids_S: torch.Tensor, padded_len: int) -> torch.Tensor:
@@ -85,7 +134,7 @@ def query_work(doc_ids_S: torch.Tensor, window: Optional[int] = None) -> torch.T
 def attention_work(plan: ShardPlan, doc_ids_S: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
     """``[W]`` int64: causal attention work (query-key pairs) per rank under `plan` (and `window`)."""
     work_S = query_work(pad_doc_ids(doc_ids_S.cpu(), plan.padded_len), window)
-    return work_S[plan.positions_WL].sum(dim=1)
+    return torch.zeros(plan.world, dtype=torch.long).index_add_(0, plan.rank_of_row, work_S[plan.positions])
 
 
 def merge_consecutive_ranks(plan: ShardPlan, degree: int) -> tuple[ShardPlan, torch.Tensor]:
@@ -96,4 +145,4 @@ def merge_consecutive_ranks(plan: ShardPlan, degree: int) -> tuple[ShardPlan, to
     W, L = plan.positions_WL.shape
     member_major = plan.positions_WL.reshape(W // degree, degree * L)
     positions, order = member_major.sort(dim=1)
-    return ShardPlan(plan.layout, plan.seq_len, plan.padded_len, positions), order
+    return ShardPlan.from_rows(plan.layout, plan.seq_len, positions), order

@@ -164,7 +164,7 @@ def build_step_state(
     `heads`: this rank's head-parallel groups (`parallel.heads.head_groups`); None plans
     ``config.ulysses_degree`` (an int) without process groups, as tools do.
     """
-    plan = make_plan(doc_ids_S.cpu(), world, config.layout, config.balance_window)
+    plan = make_plan(doc_ids_S.cpu(), world, config.layout, config.plan_options())
     geometry = StepGeometry.build(plan, doc_ids_S)
     if heads is None and isinstance(config.ulysses_degree, int) and config.ulysses_degree > 1:
         heads = HeadGroups.place(rank, config.ulysses_degree)

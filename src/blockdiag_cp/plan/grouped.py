@@ -1,0 +1,445 @@
+"""The grouped layout: each document on the fewest nearby ranks its work needs, modeled time balanced.
+
+Note [Grouped planner]
+----------------------
+The balanced layout spreads every document over every rank of the group: exact balance,
+but at a world of 1024 a 200-token document is cut into pieces on ranks of many nodes and
+every layer exchanges its keys. The grouped planner plans a whole global batch (every dp
+replica's rows concatenated) over all ranks from the *lengths* of its documents, with the
+step's cost model (Note [The step's cost model] in step_costs.py):
+
+1. Every document's work, whole: ``c = token_seconds l + pair_seconds pairs(l)``; the
+   target per rank is ``tau = sum c / W`` (the ideal step) and the token cap ``1.25 x`` the
+   mean tokens per rank (`token_cap`, memory).
+2. At a *grain* ``theta``, a document gets ``g = max(ceil(c / (theta tau)), ceil(l / cap))``
+   ranks (at most ``min(W, l)``): short ones ``g = 1`` stay whole, long ones get a group sized
+   to their work. Inside a group the document is cut as the balanced layout cuts one long
+   document: ``2g`` chunks, member ``m`` holding chunks ``m`` and ``2g - 1 - m`` (head and
+   tail), so every member has the same tokens and the same kernel work, rectangles
+   included. Under a sliding window the cut is ``g`` contiguous chunks of equal work.
+3. Groups are placed largest first on ``g`` consecutive ranks inside one node (``g`` <=
+   `ranks_per_node`), else on whole nodes from a node's first rank: the window of ranks
+   whose busiest member would be least loaded, under the token cap. Each member's K/V
+   traffic (the rows its peers need, and back as gradients) counts at the intra- or
+   inter-node speed, less what hides behind the attention over its own keys.
+4. Whole documents (and padding runs, cut in short items) go largest first to the least
+   loaded rank with room under the cap (LPT), then single documents move from the busiest
+   rank to the least busy while that shortens the step.
+5. Grains 1, 1/2 and 1/4 are tried; the plan with the shortest modeled step wins (ties: the
+   coarser grain, fewer cuts). A finer grain cuts more documents and balances finer; a
+   document under a quarter of a rank's work is never cut (unless it exceeds the token cap).
+
+Everything runs on run lengths (numpy); positions are materialized once, at the end.
+Deterministic: ties break by position and rank.
+
+Note [Unequal shards]
+---------------------
+Equal tokens per rank is not a goal here: a rank holding a piece of a long document has
+many pairs per token, one holding short documents few, so equal modeled time means
+unequal tokens. The plan's ranks own different numbers of positions (`ShardPlan.local_lens`),
+bounded by the token cap; every rank owns at least one (a padding position when the batch
+has fewer tokens than ranks). The step runs such plans as they are: needed-only exchanges
+move rows by count, the all-gather exchange pads each rank's rows to the longest.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .ranges import concat_ranges
+from .runs import run_starts
+from .shard_plan import ShardPlan
+from .options import PlanOptions
+from .step_costs import StepCosts
+
+#: grains tried, coarse to fine (Note [Grouped planner], step 5)
+GRAINS = (1.0, 0.5, 0.25)
+#: stop refining once the modeled step is this close to the ideal
+GOOD_ENOUGH = 1.01
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where every run of a row goes, and what each rank then costs (all numpy, ``[W]`` per rank).
+
+    Attributes:
+        start, length, rank: ``[P]`` int64: the pieces, a run of positions each, and their rank.
+        tokens: positions per rank.
+        compute: modeled seconds of compute per rank.
+        exposed: link seconds per rank not hidden behind its own-key attention.
+        intra_bytes, inter_bytes: K/V bytes each rank sends per step (forward + backward).
+        ideal: ``sum of compute with every document whole / W``.
+        grain: the grain of the chosen plan; split_documents: documents cut over several ranks.
+    """
+
+    start: np.ndarray
+    length: np.ndarray
+    rank: np.ndarray
+    tokens: np.ndarray
+    compute: np.ndarray
+    exposed: np.ndarray
+    intra_bytes: np.ndarray
+    inter_bytes: np.ndarray
+    ideal: float
+    grain: float
+    split_documents: int
+
+    @property
+    def seconds(self) -> np.ndarray:
+        """``[W]`` modeled seconds per rank (compute + exposed links)."""
+        return self.compute + self.exposed
+
+    @property
+    def step_seconds(self) -> float:
+        return float(self.seconds.max())
+
+    def shard_plan(self, seq_len: int) -> ShardPlan:
+        """The `ShardPlan`: each rank's pieces in position order (padding positions beyond `seq_len`)."""
+        order = np.lexsort((self.start, self.rank))
+        positions = concat_ranges(torch.from_numpy(self.start[order]), torch.from_numpy(self.length[order]))
+        lens = np.bincount(self.rank, weights=self.length, minlength=self.tokens.size).astype(np.int64)
+        return ShardPlan("grouped", seq_len, int(lens.sum()), positions, tuple(int(n) for n in lens))
+
+
+def plan_grouped(doc_ids_S: torch.Tensor, world: int, options: Optional[PlanOptions] = None) -> ShardPlan:
+    """The grouped plan of a row ``[S]`` (Note [Grouped planner]); an empty rank gets one padding position."""
+    options = PlanOptions() if options is None else options
+    starts, lengths, real = row_runs(doc_ids_S)
+    return place_runs(starts, lengths, real, world, options).shard_plan(doc_ids_S.numel())
+
+
+def row_runs(doc_ids_S: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(start, length, real)`` of each run of the row (a document, or a run of padding), in order."""
+    ids = doc_ids_S.reshape(-1).cpu()
+    starts = torch.nonzero(run_starts(ids)).flatten()
+    lengths = torch.diff(starts, append=torch.tensor([ids.numel()]))
+    return starts.numpy(), lengths.numpy(), (ids[starts] != 0).numpy()
+
+
+def place_runs(starts: np.ndarray, lengths: np.ndarray, real: np.ndarray, world: int,
+               options: PlanOptions) -> Placement:
+    """Place runs (documents where `real`, padding elsewhere) on `world` ranks (Note [Grouped planner])."""
+    if world < 1:
+        raise ValueError(f"world must be a positive int, got {world!r}")
+    problem = _Problem.of(np.asarray(starts, np.int64), np.asarray(lengths, np.int64), np.asarray(real, bool),
+                          world, options)
+    best = None
+    for grain in GRAINS:
+        placement = problem.place(grain)
+        if best is None or placement.step_seconds < best.step_seconds * (1 - 1e-9):
+            best = placement
+        if best.step_seconds <= GOOD_ENOUGH * best.ideal or placement.split_documents == problem.documents:
+            break
+    return best
+
+
+def pairs_before(offset: np.ndarray, window: Optional[int]) -> np.ndarray:
+    """``F(n)``: query-key pairs of a document's first `n` queries (each sees its earlier keys and
+    itself, at most `window`)."""
+    n = offset.astype(np.float64)
+    if window is None:
+        return n * (n + 1) / 2
+    w = float(window)
+    return np.where(n <= w, n * (n + 1) / 2, w * (w + 1) / 2 + (n - w) * w)
+
+
+@dataclass(frozen=True)
+class _Group:
+    """A document cut over ``g`` consecutive ranks: per member (``[g]``) its compute, tokens and own-key
+    attention; ``traffic [g, g]`` the rows member i sends member j forward; its pieces (``member``,
+    document offsets ``lo``, ``hi``)."""
+
+    run: int
+    compute: np.ndarray
+    tokens: np.ndarray
+    hide: np.ndarray
+    traffic: np.ndarray
+    member: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+
+    @property
+    def size(self) -> int:
+        return self.compute.size
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """One row's runs, their whole costs and the knobs: what every grain's placement starts from."""
+
+    start: np.ndarray
+    length: np.ndarray
+    real: np.ndarray
+    whole: np.ndarray  # [R] seconds of each run kept whole
+    world: int
+    rpn: int
+    cap: int
+    costs: StepCosts
+    window: Optional[int]
+
+    @staticmethod
+    def of(start, length, real, world: int, options: PlanOptions) -> "_Problem":
+        costs = options.costs or StepCosts()
+        pairs = np.where(real, pairs_before(length, options.window), 0.0)
+        whole = costs.token_seconds * length + costs.pair_seconds * pairs
+        cap = max(1, math.ceil(options.token_cap * float(length.sum()) / world))
+        rpn = min(world, options.ranks_per_node or world)
+        return _Problem(start, length, real, whole, world, rpn, cap, costs, options.window)
+
+    @property
+    def documents(self) -> int:
+        return int(self.real.sum())
+
+    @property
+    def ideal(self) -> float:
+        return float(self.whole.sum()) / self.world
+
+    def place(self, grain: float) -> Placement:
+        W = self.world
+        g = np.maximum(np.ceil(self.whole / (grain * self.ideal)) if self.ideal > 0 else 1,
+                       np.ceil(self.length / self.cap)).astype(np.int64)
+        g = np.where(self.real, np.clip(g, 1, np.minimum(W, self.length)), 1)
+        state = _Loads(W, self.cap)
+        groups = [self._group(int(r), int(g[r])) for r in np.flatnonzero(g > 1)]
+        groups.sort(key=lambda grp: (-grp.size, -float(grp.compute.max()), grp.run))
+        for group in groups:
+            state.place_group(group, self._best_window(state, group), self)
+        items = self._whole_items(g == 1)
+        state.place_items(items, self.whole_item_seconds(items))
+        state.refine(self.whole_item_seconds)
+        return state.placement(self, grain, len(groups))
+
+    def _whole_items(self, whole: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(start, length)`` of the items placed whole: whole documents, and padding cut in items of
+        at most an eighth of the cap (padding costs tokens only and may go anywhere)."""
+        doc = whole & self.real
+        pad = whole & ~self.real
+        piece = max(1, self.cap // 8)
+        pad_lengths = self.length[pad]
+        cuts = np.maximum(1, -(-pad_lengths // piece))
+        first = np.repeat(self.start[pad], cuts) + _within(cuts) * piece
+        end = np.repeat(self.start[pad] + pad_lengths, cuts)
+        starts = np.concatenate([self.start[doc], first])
+        lengths = np.concatenate([self.length[doc], np.minimum(end - first, piece)])
+        return starts, lengths
+
+    def whole_item_seconds(self, items: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+        starts, lengths = items
+        index = np.searchsorted(self.start, starts, side="right") - 1
+        pairs = np.where(self.real[index], pairs_before(lengths, self.window), 0.0)
+        return self.costs.token_seconds * lengths + self.costs.pair_seconds * pairs
+
+    def _group(self, run: int, g: int) -> _Group:
+        """Cut run `run` over `g` members (Note [Grouped planner], step 2) and cost each member."""
+        length, costs = int(self.length[run]), self.costs
+        if self.window is None and length >= 2 * g:
+            bounds = (np.arange(2 * g + 1) * length) // (2 * g)
+            chunk_member = np.concatenate([np.arange(g), np.arange(g)[::-1]])
+        else:
+            bounds = self._equal_work_cuts(length, g)
+            chunk_member = np.arange(g)
+        lo, hi, member = _merge_adjacent(bounds[:-1], bounds[1:], chunk_member)
+        n = (hi - lo).astype(np.float64)
+        if self.window is None:
+            rate = np.where(n >= costs.rectangle_min_queries, costs.rectangle_factor, 1.0)
+            pairs = n * (n + 1) / 2 + rate * n * lo
+            own = n * (n + 1) / 2
+        else:
+            pairs = pairs_before(hi, self.window) - pairs_before(lo, self.window)
+            own = pairs_before(n, self.window)
+        seconds = costs.token_seconds * n + costs.pair_seconds * pairs + costs.carry_seconds * n * (lo > 0)
+        per_member = lambda x: np.bincount(member, weights=x, minlength=g)  # noqa: E731
+        traffic = _group_traffic(lo, hi, member, g, self.window)
+        return _Group(run, per_member(seconds), per_member(n).astype(np.int64), costs.pair_seconds * per_member(own),
+                      traffic, member, lo, hi)
+
+    def _equal_work_cuts(self, length: int, g: int) -> np.ndarray:
+        """``[g + 1]`` offsets cutting a document into `g` contiguous chunks of equal work (each >= 1 token)."""
+        work = self.costs.token_seconds * np.arange(length + 1) + self.costs.pair_seconds * pairs_before(
+            np.arange(length + 1), self.window)
+        targets = work[-1] * np.arange(1, g) / g
+        inner = np.searchsorted(work, targets)
+        inner = np.clip(inner, np.arange(1, g), length - g + np.arange(1, g))  # every chunk keeps a token
+        inner = np.maximum.accumulate(np.maximum(inner, np.arange(1, g)))
+        return np.concatenate([[0], inner, [length]])
+
+    def _best_window(self, state: "_Loads", group: _Group) -> int:
+        """The first rank of the `group.size` consecutive ranks the group goes to (Note [Grouped planner], 3)."""
+        g, W, rpn = group.size, self.world, self.rpn
+        s = np.arange(W - g + 1)
+        starts = s[(s // rpn) == ((s + g - 1) // rpn)] if g <= rpn else s[s % rpn == 0]
+        if starts.size == 0:
+            starts = np.array([W - g])
+        windows = np.lib.stride_tricks.sliding_window_view(state.seconds, g)[starts]
+        tokens = np.lib.stride_tricks.sliding_window_view(state.tokens, g)[starts]
+        busiest = (windows + group.compute).max(axis=1)
+        over = np.maximum(tokens + group.tokens - self.cap, 0).sum(axis=1)
+        order = np.lexsort((starts, windows.sum(axis=1), busiest, over))
+        return int(starts[order[0]])
+
+    def link_seconds(self, group: _Group, first: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``[g]`` each member's exposed link seconds and its intra- and inter-node bytes at ranks from `first`."""
+        node = (first + np.arange(group.size)) // self.rpn
+        both = (group.traffic + group.traffic.T) * self.costs.kv_bytes_per_token  # forward and gradients back
+        across = node[:, None] != node[None, :]
+        inter = (both * across).sum(axis=1)
+        intra = both.sum(axis=1) - inter
+        link = intra / (self.costs.intra_gbps * 1e9) + inter / (self.costs.inter_gbps * 1e9)
+        return np.maximum(link - group.hide, 0.0), intra, inter
+
+
+class _Loads:
+    """The ranks' loads while a placement is built: seconds, tokens, link bytes, and the pieces so far."""
+
+    def __init__(self, world: int, cap: int) -> None:
+        self.cap = cap
+        self.seconds = np.zeros(world)
+        self.compute = np.zeros(world)
+        self.exposed = np.zeros(world)
+        self.tokens = np.zeros(world, dtype=np.int64)
+        self.intra = np.zeros(world)
+        self.inter = np.zeros(world)
+        self.pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.items: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None  # whole items: start, length, rank
+
+    def place_group(self, group: _Group, first: int, problem: _Problem) -> None:
+        exposed, intra, inter = problem.link_seconds(group, first)
+        ranks = first + np.arange(group.size)
+        self.compute[ranks] += group.compute
+        self.exposed[ranks] += exposed
+        self.seconds[ranks] += group.compute + exposed
+        self.tokens[ranks] += group.tokens
+        self.intra[ranks] += intra
+        self.inter[ranks] += inter
+        doc_start = problem.start[group.run]
+        self.pieces.append((doc_start + group.lo, group.hi - group.lo, first + group.member))
+
+    def place_items(self, items: tuple[np.ndarray, np.ndarray], seconds: np.ndarray) -> None:
+        """Largest first, each to the least loaded rank with room under the cap (else the most room)."""
+        starts, lengths = items
+        order = np.lexsort((starts, -seconds))
+        rank_of = np.empty(starts.size, dtype=np.int64)
+        heap = [(float(t), r) for r, t in enumerate(self.seconds)]
+        heapq.heapify(heap)
+        tokens = self.tokens
+        for i in order.tolist():
+            n, skipped, chosen = int(lengths[i]), [], None
+            while heap and len(skipped) < 64:
+                t, r = heapq.heappop(heap)
+                if tokens[r] + n <= self.cap:
+                    chosen = r
+                    break
+                skipped.append((t, r))
+            if chosen is None:
+                chosen = int(np.argmin(tokens)) if tokens.min() + n > self.cap else int(np.flatnonzero(
+                    tokens + n <= self.cap)[np.argmin(self.seconds[tokens + n <= self.cap])])
+                skipped = [(t, r) for t, r in skipped if r != chosen]
+                heap = [(t, r) for t, r in heap if r != chosen]
+                heapq.heapify(heap)
+            for entry in skipped:
+                heapq.heappush(heap, entry)
+            rank_of[i] = chosen
+            self.seconds[chosen] += seconds[i]
+            self.compute[chosen] += seconds[i]
+            tokens[chosen] += n
+            heapq.heappush(heap, (float(self.seconds[chosen]), chosen))
+        self.items = (starts, lengths, rank_of)
+
+    def refine(self, item_seconds, rounds: Optional[int] = None) -> None:
+        """Move single whole items from the busiest rank to the least busy while the step shortens."""
+        starts, lengths, rank_of = self.items
+        seconds = item_seconds((starts, lengths))
+        by_rank: list[list[int]] = [[] for _ in range(self.seconds.size)]
+        for i, r in enumerate(rank_of.tolist()):
+            by_rank[r].append(i)
+        for _ in range(4 * self.seconds.size if rounds is None else rounds):
+            hi, lo = int(np.argmax(self.seconds)), int(np.argmin(self.seconds))
+            gap = self.seconds[hi] - self.seconds[lo]
+            mine = np.array(by_rank[hi], dtype=np.int64)
+            if gap <= 0 or mine.size == 0:
+                return
+            fits = mine[(seconds[mine] < gap) & (self.tokens[lo] + lengths[mine] <= self.cap)]
+            if fits.size == 0:
+                return
+            i = int(fits[np.argmin(np.abs(seconds[fits] - gap / 2))])
+            by_rank[hi].remove(i)
+            by_rank[lo].append(i)
+            rank_of[i] = lo
+            for r, sign in ((hi, -1), (lo, 1)):
+                self.seconds[r] += sign * seconds[i]
+                self.compute[r] += sign * seconds[i]
+                self.tokens[r] += sign * lengths[i]
+
+    def placement(self, problem: _Problem, grain: float, split: int) -> Placement:
+        starts, lengths, ranks = (np.concatenate(parts) for parts in zip(*self.pieces, self.items))
+        empty = np.flatnonzero(np.bincount(ranks, minlength=self.tokens.size) == 0)
+        if empty.size:  # a rank with nothing to do still holds one (padding) position
+            end = int(problem.start[-1] + problem.length[-1]) if problem.start.size else 0
+            starts = np.concatenate([starts, end + np.arange(empty.size)])
+            lengths = np.concatenate([lengths, np.ones(empty.size, dtype=np.int64)])
+            ranks = np.concatenate([ranks, empty])
+            self.tokens[empty] += 1
+            self.seconds[empty] += problem.costs.token_seconds
+            self.compute[empty] += problem.costs.token_seconds
+        return Placement(starts, lengths, ranks, self.tokens.copy(), self.compute.copy(), self.exposed.copy(),
+                         self.intra.copy(), self.inter.copy(), problem.ideal, grain, split)
+
+
+def _merge_adjacent(lo: np.ndarray, hi: np.ndarray, member: np.ndarray):
+    """Chunks ``[lo, hi)`` (ascending) -> pieces: a member's chunks that touch are one piece."""
+    keep = np.ones(lo.size, dtype=bool)
+    keep[1:] = (member[1:] != member[:-1]) | (lo[1:] != hi[:-1])
+    group = np.cumsum(keep) - 1
+    new_hi = np.zeros(int(group[-1]) + 1, dtype=np.int64)
+    np.maximum.at(new_hi, group, hi)
+    return lo[keep], new_hi, member[keep]
+
+
+def _group_traffic(lo: np.ndarray, hi: np.ndarray, member: np.ndarray, g: int, window: Optional[int]) -> np.ndarray:
+    """``[g, g]``: rows member i owns that member j's queries see (forward), 0 on the diagonal.
+
+    Member j sees its document's keys ``[0, b)`` up to its last piece's end ``b`` (under a window,
+    ``[a - w + 1, b)`` for each of its pieces ``[a, b)``, merged): the overlaps of those ranges with
+    the owners' pieces."""
+    if window is None:
+        need_hi = np.zeros(g, dtype=np.int64)
+        np.maximum.at(need_hi, member, hi)
+        need_lo, need_member = np.zeros(g, dtype=np.int64), np.arange(g)
+    else:
+        need_lo, need_hi, need_member = _union_per_member(np.maximum(lo - window + 1, 0), hi, member)
+    overlap = np.minimum(hi[:, None], need_hi[None, :]) - np.maximum(lo[:, None], need_lo[None, :])
+    rows = np.maximum(overlap, 0).astype(np.float64)  # [own pieces, needed ranges]
+    traffic = np.zeros((g, g))
+    np.add.at(traffic, (np.broadcast_to(member[:, None], rows.shape), np.broadcast_to(need_member[None, :], rows.shape)),
+              rows)
+    np.fill_diagonal(traffic, 0.0)
+    return traffic
+
+
+def _union_per_member(lo: np.ndarray, hi: np.ndarray, member: np.ndarray):
+    """Each member's ranges ``[lo, hi)`` merged where they overlap or touch (in member, then offset order)."""
+    order = np.lexsort((lo, member))
+    lo, hi, member = lo[order], hi[order], member[order]
+    reach = hi.copy()
+    for i in range(1, lo.size):  # a member's reach so far (ranges of one member are few)
+        if member[i] == member[i - 1]:
+            reach[i] = max(reach[i], reach[i - 1])
+    new = np.ones(lo.size, dtype=bool)
+    new[1:] = (member[1:] != member[:-1]) | (lo[1:] > reach[:-1])
+    group = np.cumsum(new) - 1
+    merged_hi = np.zeros(int(group[-1]) + 1, dtype=np.int64)
+    np.maximum.at(merged_hi, group, hi)
+    return lo[new], merged_hi, member[new]
+
+
+def _within(counts: np.ndarray) -> np.ndarray:
+    """``[sum(counts)]``: 0..counts[i]-1 for each i, concatenated."""
+    total = int(counts.sum())
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    return np.arange(total) - first
