@@ -56,6 +56,7 @@ if _typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time each n
     from .step.gather import gather_sequence
     from .step.slot import current_step
     from .step.state import StepState
+    from .step.world import make_cp_world_batch_and_ctx
 
 __version__ = "0.9.0"
 
@@ -69,6 +70,7 @@ __all__ = (
     "gather_sequence",
     "make_cp_batch_and_ctx",
     "make_cp_blockdiag_batch_and_ctx",
+    "make_cp_world_batch_and_ctx",
     "plan_shards",
     "resolve_doc_ids",
 )
@@ -86,6 +88,7 @@ _HOMES = _types.MappingProxyType({
     "gather_sequence": ".step.gather",
     "make_cp_batch_and_ctx": ".step.batch",
     "make_cp_blockdiag_batch_and_ctx": ".step.batch",
+    "make_cp_world_batch_and_ctx": ".step.world",
     "plan_shards": ".plan",
     "resolve_doc_ids": ".step.doc_ids",
 })

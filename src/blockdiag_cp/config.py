@@ -19,7 +19,8 @@ class CPConfig:
         kv_exchange: how each rank obtains the keys/values its queries need.
             ``"auto"`` (default) picks the cheapest exact exchange for the step's
             layout; ``"allgather"`` gathers every rank's K/V; ``"halo"``,
-            ``"a2a"`` and ``"ring"`` move only what the queries need.
+            ``"a2a"``, ``"p2p"`` and ``"ring"`` move only what the queries need (``"p2p"``:
+            point-to-point with the ranks that share documents, auto's choice under ``"grouped"``).
         kernel: the local attention kernel. ``"auto"`` picks the fastest correct
             kernel available; ``"dense"`` is the masked reference; ``"sdpa"`` is
             PyTorch's fused attention called per document piece; ``"flash"``,

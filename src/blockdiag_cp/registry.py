@@ -83,6 +83,8 @@ EXCHANGES = Registry("kv_exchange", (
     Strategy("allgather", "exchange.allgather:AllGatherExchange", "every rank gathers every rank's K/V"),
     Strategy("halo", "exchange.needed:HaloExchange", "needed-only K/V from the left neighbour (documents cross one boundary)"),
     Strategy("a2a", "exchange.needed:AllToAllExchange", "needed-only K/V, one all-to-all-v"),
+    Strategy("p2p", "exchange.needed:PeerExchange",
+             "needed-only K/V, batched point-to-point with the ranks that share documents (grouped layout)"),
     Strategy("ring", "exchange.ring:RingExchange", "needed-only K/V passed around the ring, merged by log-sum-exp"),
 ))
 

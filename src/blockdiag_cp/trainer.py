@@ -457,7 +457,7 @@ def _unshard_rows(outputs, step: StepRows):
     padding_S = (state.geometry.doc_ids[: state.plan.seq_len] == 0).to(state.device)
 
     def unshard(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() < 2 or t.shape[0] != 1 or t.shape[1] != state.plan.local_len:
+        if t.dim() < 2 or t.shape[0] != 1 or t.shape[1] != state.local_len:
             return t
         full = gather_sequence(t, 1, state=state)
         return full.masked_fill(padding_S.view(1, -1, *[1] * (t.dim() - 2)), -100).reshape(B, S, *t.shape[2:])

@@ -2,7 +2,8 @@
 
 One all-gather of ``[L, 2, Hk, D]`` rows forward, one reduce-scatter backward. The
 key buffer is then the needed part of the gathered rows: a view when the layout is
-contiguous, an index otherwise.
+contiguous, an index otherwise. Under a plan whose ranks own different numbers of rows
+(grouped), every rank's rows are padded to the longest shard for the collective.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ class AllGatherExchange(BufferExchange):
     name = "allgather"
 
     def __init__(self, setup: ExchangeSetup) -> None:
-        geometry, L, W = setup.geometry, setup.local_len, setup.world
+        geometry, W = setup.geometry, setup.world
+        L = geometry.plan.max_local_len  # rows per rank in the collective
         needed = geometry.needed_positions(setup.rank, setup.window)
-        self.group, self._world = setup.group, W
+        self.group, self._world, self._block = setup.group, W, L
         self._moved = (W - 1) * L
         if geometry.plan.layout == "contiguous":
             lo = int(needed[0]) if needed.numel() else 0
@@ -41,17 +43,20 @@ class AllGatherExchange(BufferExchange):
         return Traffic(self._moved, self._moved, self._moved, self._moved)
 
     def gather_rows(self, k_LHD: torch.Tensor, v_LHD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gathered = all_gather_rows(fuse_rows(k_LHD, v_LHD), self.group)
+        rows = fuse_rows(k_LHD, v_LHD)
+        if rows.shape[0] < self._block:  # a shorter shard of a grouped plan: padded to the longest
+            rows = torch.cat([rows, rows.new_zeros((self._block - rows.shape[0], *rows.shape[1:]))])
+        gathered = all_gather_rows(rows, self.group)
         if self._slice is not None:
             return unfuse_rows(gathered.narrow(0, *self._slice))
         return unfuse_rows(gathered.index_select(0, self._index))
 
     def scatter_grads(self, dk_NHD: torch.Tensor, dv_NHD: torch.Tensor, in_grad_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         ensure(not in_grad_rows, "this exchange keeps no key gradient rows of its own")
-        d_gathered = dk_NHD.new_zeros((self._world * self.local_len, 2, *dk_NHD.shape[1:]))
+        d_gathered = dk_NHD.new_zeros((self._world * self._block, 2, *dk_NHD.shape[1:]))
         for d_half, d_rows in zip(unfuse_rows(d_gathered), (dk_NHD, dv_NHD)):
             if self._slice is not None:
                 d_half.narrow(0, *self._slice).copy_(d_rows)
             else:
                 d_half.index_add_(0, self._index, d_rows)
-        return unfuse_rows(reduce_scatter_rows(d_gathered, self.group))
+        return unfuse_rows(reduce_scatter_rows(d_gathered, self.group)[: self.local_len])

@@ -80,7 +80,8 @@ class ExchangeSetup:
 
     @property
     def local_len(self) -> int:
-        return self.geometry.plan.local_len
+        """This rank's shard length."""
+        return self.geometry.plan.local_len_of(self.rank)
 
     def pieces(self) -> Pieces:
         return self.geometry.pieces(self.rank)

@@ -57,6 +57,9 @@ def _auto(setup: ExchangeSetup) -> tuple[KVExchange, str]:
         return _build("a2a", setup), "auto: no document crosses a rank boundary; no communication"
     if halo_unsupported_reason(setup) is None:
         return _build("halo", setup), "auto: every rank's missing keys sit on its left neighbour (halo)"
+    if setup.geometry.plan.layout == "grouped":
+        return _build("p2p", setup), ("auto: grouped layout, each document on a few nearby ranks; point-to-point "
+                                      "with the ranks that share one (no collective over the group)")
     return _build("a2a", setup), "auto: documents span several ranks; all-to-all-v of the needed rows"
 
 

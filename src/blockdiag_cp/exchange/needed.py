@@ -17,9 +17,11 @@ it: the received rows' gradients go back to their owners and are added to the
 owners' local gradients. Only the transport differs:
 
     a2a    one all-to-all-v over the group (documents spanning any number of ranks)
-    halo   point-to-point with the left neighbour only (valid while every rank's
-           missing keys are owned by its left neighbour: with the contiguous layout,
-           no document spans more than two ranks)
+    p2p    batched point-to-point with exactly the ranks that share a document with
+           this one (the grouped layout: a document's group is a few nearby ranks of a
+           large world, and a layer must not wait on a collective over all of it)
+    halo   p2p where every rank's missing keys are owned by its left neighbour (with
+           the contiguous layout, no document spans more than two ranks)
 
 Note [Head-major key buffer]
 ----------------------------
@@ -70,7 +72,7 @@ class NeededOnlyExchange(BufferExchange):
         self.recv_splits = transfer[rank, :].tolist()
         self.any_transfer = bool(transfer.any())
         # rows this rank sends, grouped by destination, ascending positions (local rows)
-        needed_by_WL = geometry.need_at(geometry.plan.positions_WL[rank], setup.window)
+        needed_by_WL = geometry.need_at(geometry.plan.rank_positions(rank), setup.window)
         needed_by_WL[rank] = False
         self.send_rows = torch.cat([torch.nonzero(row).flatten() for row in needed_by_WL]).to(setup.device)
         # buffer row j holds local row assemble[j] (< L) or received row assemble[j] - L
@@ -206,17 +208,25 @@ class AllToAllExchange(NeededOnlyExchange):
         return all_to_all_rows(rows_TX, send_splits, recv_splits, self.group)
 
 
-class HaloExchange(NeededOnlyExchange):
-    name = "halo"
+class PeerExchange(NeededOnlyExchange):
+    """Needed-only rows over batched point-to-point, with the ranks that share documents only."""
+
+    name = "p2p"
     uses_p2p = True
+
+    def transport(self, rows_TX, send_splits, recv_splits):
+        return p2p_rows(rows_TX, send_splits, recv_splits, self.group)
+
+
+class HaloExchange(PeerExchange):
+    """`p2p` where the only peers are the left and right neighbours."""
+
+    name = "halo"
 
     def __init__(self, setup: ExchangeSetup) -> None:
         reason = halo_unsupported_reason(setup)
         ensure(reason is None, f"halo routed where it cannot serve: {reason}")
         super().__init__(setup)
-
-    def transport(self, rows_TX, send_splits, recv_splits):
-        return p2p_rows(rows_TX, send_splits, recv_splits, self.group)
 
 
 def halo_unsupported_reason(setup: ExchangeSetup) -> str | None:

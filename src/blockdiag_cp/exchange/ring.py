@@ -197,12 +197,12 @@ def travel_rows(geometry: StepGeometry) -> list[list[torch.Tensor]]:
     ``o + t, ..., o + world - 1`` needs. (The cost model counts the ring's bytes from it.)
     """
     W = geometry.world
-    positions = geometry.plan.positions_WL
     travel = []
     for o in range(W):
-        used_by = geometry.need_at(positions[o])  # [W, L]: rank j needs row i of o
-        rows = [torch.arange(positions.shape[1])]
-        downstream = torch.zeros(positions.shape[1], dtype=torch.bool)
+        owned = geometry.plan.rank_positions(o)
+        used_by = geometry.need_at(owned)  # [W, L_o]: rank j needs row i of o
+        rows = [torch.arange(owned.numel())]
+        downstream = torch.zeros(owned.numel(), dtype=torch.bool)
         for t in range(W - 1, 0, -1):
             downstream |= used_by[(o + t) % W]
             rows.insert(1, torch.nonzero(downstream).flatten())
@@ -221,10 +221,10 @@ def _route_hop(setup: ExchangeSetup, travel: list[list[torch.Tensor]], t: int) -
         onward = travel[owner][t + 1]
         send_index = torch.searchsorted(held, onward).to(device) if onward.numel() else None
         recv_rows = travel[(rank - 1 - t) % W][t + 1].numel()
-    used = torch.nonzero(setup.geometry.need_at(setup.geometry.plan.positions_WL[owner])[rank]).flatten()
+    used = torch.nonzero(setup.geometry.need_at(setup.geometry.plan.rank_positions(owner))[rank]).flatten()
     grad_send = torch.searchsorted(held, used).to(device) if (t > 0 and used.numel()) else None
     holder = (rank + t) % W
-    mine_used = torch.nonzero(setup.geometry.need_at(setup.geometry.plan.positions_WL[rank])[holder]).flatten()
+    mine_used = torch.nonzero(setup.geometry.need_at(setup.geometry.plan.rank_positions(rank))[holder]).flatten()
     grad_recv = mine_used.to(device) if (t > 0 and mine_used.numel()) else None
     return Hop(owner, items, calls, send_index, recv_rows or 0, grad_send, grad_recv)
 
@@ -237,7 +237,7 @@ def _hop_items(setup: ExchangeSetup, owner: int, held: torch.Tensor) -> ItemTabl
     a piece sees that rank's rows of its document that precede it, all of them.
     """
     pieces = setup.pieces()
-    owner_pos = setup.geometry.plan.positions_WL[owner]
+    owner_pos = setup.geometry.plan.rank_positions(owner)
     first = torch.searchsorted(owner_pos, pieces.doc_start)
     if owner == setup.rank:
         k_start, k_end, causal = first, pieces.local_start + pieces.length, True

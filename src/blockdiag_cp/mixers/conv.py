@@ -18,8 +18,9 @@ reads them from the step's geometry:
 Every piece of the local row is laid out as ``[halo | piece]`` in one concatenation, one
 ``F.conv1d`` runs over it (no padding), and each row's output is read where its window
 ends; windows that straddle two segments are never read. The halo rows other ranks own
-travel in one all-gather of the rows any rank needs (``k - 1`` per straddling piece:
-a few rows, whatever the document's length); backward is its reduce-scatter.
+travel as the entries of an `EntryRoute` (Note [Entry routes]): one all-gather of the rows
+any rank needs (``k - 1`` per straddling piece: a few rows, whatever the document's
+length), or, under the grouped layout, point-to-point to the ranks that need them.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ensure
-from ..parallel.collectives import AllGatherRows
+from ..parallel.routes import EntryRoute
 from ..plan.geometry import StepGeometry
 
 
@@ -41,31 +42,35 @@ class ConvPlan:
 
     Attributes:
         width: the kernel size ``k``.
-        send_rows: ``[pad]`` local rows this rank contributes to the all-gather (rows other
-            ranks' windows need, ascending, repeated to `pad`); None: nothing crosses ranks.
-        pad: rows per rank in the all-gather.
-        cat_index: ``[T]`` rows of ``[local (L) | gathered (W * pad) | zero row]`` laid out
+        send_rows: ``[E]`` local rows other ranks' windows need (this rank's entries of `route`,
+            ascending); None: nothing crosses ranks.
+        route: how those rows reach the ranks that need them (Note [Entry routes]).
+        cat_index: ``[T]`` rows of ``[local (L) | delivered | zero row]`` laid out
             as ``[halo | piece]`` per piece.
         out_index: ``[L]`` each local row's output in the conv result (padding rows: a zero row).
     """
 
     width: int
-    world: int
-    group: Any
+    route: EntryRoute
     send_rows: Optional[torch.Tensor]
-    pad: int
+    delivered: int
     cat_index: torch.Tensor
     out_index: torch.Tensor
 
     @staticmethod
-    def build(geometry: StepGeometry, rank: int, group: Any, width: int, device: torch.device) -> "ConvPlan":
-        W, L = geometry.world, geometry.plan.local_len
+    def build(geometry: StepGeometry, rank: int, group: Any, width: int, device: torch.device,
+              peers: bool = False) -> "ConvPlan":
+        """`peers`: route the halo point-to-point (the grouped layout), else one all-gather."""
+        W, L = geometry.world, geometry.plan.local_len_of(rank)
         sends = [_rows_others_need(geometry, r, width) for r in range(W)]
-        pad = max(s.numel() for s in sends)
-        slot_of = _halo_slots(geometry, rank, sends, pad, L)
-        cat, out = _layout(geometry.pieces(rank), geometry.doc_start, slot_of, width, L, L + W * pad)
-        send = None if pad == 0 else _padded(sends[rank], pad).to(device)
-        return ConvPlan(width, W, group, send, pad, cat.to(device), out.to(device))
+        counts = [s.numel() for s in sends]
+        route = (_peer_route(geometry, rank, group, width, sends) if peers and max(counts) else
+                 EntryRoute.gather(group, rank, counts))
+        slot_of = _halo_slots(geometry, rank, sends, route, L)
+        delivered = route.own + sum(route.recv_splits) if route.peers else W * route.pad
+        cat, out = _layout(geometry.pieces(rank), geometry.doc_start, slot_of, width, L, L + delivered)
+        send = sends[rank].to(device) if route.moves_anything else None
+        return ConvPlan(width, route, send, delivered, cat.to(device), out.to(device))
 
     def __call__(self, x_LC: torch.Tensor, weight_CK: torch.Tensor, bias_C: Optional[torch.Tensor]) -> torch.Tensor:
         """``x [L, C]`` -> ``[L, C]``: each local row's convolution over its own document's inputs
@@ -73,11 +78,11 @@ class ConvPlan:
         C = x_LC.shape[1]
         parts = [x_LC]
         if self.send_rows is not None:
-            parts.append(AllGatherRows.apply(x_LC.index_select(0, self.send_rows), self.group))
+            parts.append(self.route.deliver(x_LC.index_select(0, self.send_rows)))
         parts.append(x_LC.new_zeros(1, C))
         rows = torch.cat(parts)
         if self.cat_index.numel() == 0:  # only padding here: zeros that still depend on the gathered rows,
-            return x_LC.new_zeros(x_LC.shape) + 0.0 * rows.sum()  # so this rank's backward joins the collective
+            return x_LC.new_zeros(x_LC.shape) + 0.0 * rows.sum()  # so this rank's backward joins the transport
         x_TC = rows.index_select(0, self.cat_index)
         y_CT = F.conv1d(x_TC.t().unsqueeze(0), weight_CK.unsqueeze(1), bias_C, groups=C)[0]
         y_TC = torch.cat([y_CT.t(), y_CT.new_zeros(1, C)])
@@ -88,19 +93,39 @@ def _rows_others_need(geometry: StepGeometry, rank: int, width: int) -> torch.Te
     """Local rows of `rank` that another rank's windows of `width` read (ascending)."""
     if width < 2:
         return torch.zeros(0, dtype=torch.long)
-    needed_by = geometry.need_at(geometry.plan.positions_WL[rank], window=width)  # [W, L]
+    needed_by = geometry.need_at(geometry.plan.rank_positions(rank), window=width)  # [W, L]
     needed_by[rank] = False
     return torch.nonzero(needed_by.any(dim=0)).flatten()
 
 
-def _halo_slots(geometry: StepGeometry, rank: int, sends: list[torch.Tensor], pad: int, L: int) -> torch.Tensor:
-    """``[S_pad]``: each position's row in ``[local | gathered]`` as `rank` sees it (-1: not here)."""
+def _peer_route(geometry: StepGeometry, rank: int, group: Any, width: int, sends: list[torch.Tensor]) -> EntryRoute:
+    """The halo rows point-to-point: each rank's entries (`sends`) to the ranks whose windows read them."""
+    plan, W = geometry.plan, geometry.world
+    mine = geometry.need_at(plan.rank_positions(rank), window=width)  # [W, L]: dst reads my row
+    wanted_by = [torch.searchsorted(sends[rank], torch.nonzero(mine[d]).flatten()) if d != rank else
+                 torch.zeros(0, dtype=torch.long) for d in range(W)]
+    wanted_from = []
+    for src in range(W):
+        if src == rank or sends[src].numel() == 0:
+            wanted_from.append(torch.zeros(0, dtype=torch.long))
+            continue
+        reads = torch.nonzero(geometry.need_at(plan.rank_positions(src), window=width)[rank]).flatten()
+        wanted_from.append(torch.searchsorted(sends[src], reads))
+    return EntryRoute.between_peers(group, rank, [s.numel() for s in sends], wanted_from, wanted_by)
+
+
+def _halo_slots(geometry: StepGeometry, rank: int, sends: list[torch.Tensor], route: EntryRoute, L: int) -> torch.Tensor:
+    """``[S_pad]``: each position's row in ``[local | delivered]`` as `rank` sees it (-1: not here)."""
     slot = torch.full((geometry.plan.padded_len,), -1, dtype=torch.long)
     mine = geometry.plan.rank_positions(rank)
     slot[mine] = torch.arange(L)
     for source, rows in enumerate(sends):
-        if source != rank and rows.numel():
-            slot[geometry.plan.positions_WL[source][rows]] = L + source * pad + torch.arange(rows.numel())
+        if source == rank or rows.numel() == 0 or (route.peers and source not in route.recv_lookup):
+            continue
+        entries = torch.arange(rows.numel())
+        if route.peers:
+            entries = torch.nonzero(route.recv_lookup[source] >= 0).flatten()
+        slot[geometry.plan.rank_positions(source)[rows[entries]]] = L + route.rows(source, entries)
     return slot
 
 
@@ -120,9 +145,3 @@ def _layout(pieces, doc_start: torch.Tensor, slot_of: torch.Tensor, width: int, 
     cat_index = torch.cat(cat) if cat else torch.zeros(0, dtype=torch.long)
     out[out < 0] = max(taken - (width - 1), 0)  # padding rows read the appended zero row
     return cat_index, out
-
-
-def _padded(rows: torch.Tensor, pad: int) -> torch.Tensor:
-    """`rows` repeated with its first entry (or row 0) up to `pad` entries (the extra ones are never read)."""
-    filler = rows[:1] if rows.numel() else torch.zeros(1, dtype=torch.long)
-    return torch.cat([rows, filler.expand(pad - rows.numel())])

@@ -38,13 +38,13 @@ piece's start (`PieceSchedule.ssd`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
 
 from ..kernels.base import accumulate_dtype
-from ..parallel.collectives import AllGatherRows
+from ..parallel.routes import EntryRoute
 from ..plan.geometry import StepGeometry
 from .chunked import CHUNK, chunked_gated_delta_rule, chunked_ssd
 
@@ -56,13 +56,15 @@ class Piece:
     Attributes:
         before: ``(rank, slot)`` of every earlier piece of its document, in position order
             (empty: it starts its document).
-        slot: its slot in this rank's contribution to the all-gather (-1: no later piece needs it).
+        slot: its slot among this rank's entries of the route (-1: no later piece needs it).
+        before_rows: the rows of the delivered buffer holding `before`'s states, in the same order.
     """
 
     local_start: int
     length: int
     before: tuple[tuple[int, int], ...]
     slot: int
+    before_rows: tuple[int, ...] = ()
 
     @property
     def starts_document(self) -> bool:
@@ -79,16 +81,18 @@ class PieceSchedule:
 
     Attributes:
         pieces: this rank's pieces, in local order.
-        pad: slots per rank in the all-gather (0: no document crosses a piece boundary).
+        pad: the most slots a rank has (0: no document crosses a piece boundary, on any rank).
+        route: how the slots' states reach the ranks whose later pieces read them (Note [Entry routes]).
     """
 
     local_len: int
     pieces: tuple[Piece, ...]
     pad: int
-    group: Any
+    route: EntryRoute
 
     @staticmethod
-    def build(geometry: StepGeometry, rank: int, group: Any) -> "PieceSchedule":
+    def build(geometry: StepGeometry, rank: int, group: Any, peers: bool = False) -> "PieceSchedule":
+        """`peers`: hand states point-to-point to the ranks that read them (the grouped layout), else one all-gather."""
         by_document: dict[int, list[tuple[int, int, int]]] = {}  # doc start -> [(global start, rank, index)]
         per_rank = [geometry.pieces(r) for r in range(geometry.world)]
         for r, pieces in enumerate(per_rank):
@@ -107,7 +111,11 @@ class PieceSchedule:
             here = order.index((mine.global_start[i].item(), rank, i))
             before = tuple((r, slots[r, j]) for _, r, j in order[:here])
             pieces.append(Piece(start, length, before, slots.get((rank, i), -1)))
-        return PieceSchedule(geometry.plan.local_len, tuple(pieces), max(counts), group)
+        route = (_peer_route(group, rank, counts, pieces, by_document, slots) if peers and max(counts) else
+                 EntryRoute.gather(group, rank, counts))
+        pieces = [replace(p, before_rows=tuple(int(route.rows(r, torch.tensor([s]))[0]) for r, s in p.before))
+                  for p in pieces]
+        return PieceSchedule(geometry.plan.local_len_of(rank), tuple(pieces), max(counts), route)
 
     def gated_delta_rule(self, q_LHD, k_LHD, v_LHD, g_LH, beta_LH) -> torch.Tensor:
         """``o [L, Hv, dv]`` of the gated delta rule per document (q, k ``[L, Hk, dk]``, v ``[L, Hv, dv]``,
@@ -137,10 +145,10 @@ class PieceSchedule:
         # a rank with nothing to send still sends rows of its graph, so that every rank's backward
         # runs the all-gather's reduce-scatter (autograd skips a collective on an input without grad)
         sent = sent + 0.0 * v_LHD.reshape(-1)[:1].sum()
-        gathered = AllGatherRows.apply(sent, self.group)  # [W * pad, Hv, dk, dk + dv]
+        gathered = self.route.deliver(sent[: self.route.own])  # the states each later piece reads
         if later:
             parts = spread.values.split([later[i].length for i in spread.order])
-            entering = [_incoming(later[i], gathered, self.pad) for i in spread.order]
+            entering = [_incoming(later[i], gathered) for i in spread.order]
             o = torch.cat([part[..., dk:] + torch.einsum("thk,hkv->thv", part[..., :dk], S)
                            for part, S in zip(parts, entering)])
             out = out.index_copy(0, spread.rows, o.to(out.dtype))
@@ -166,13 +174,13 @@ class PieceSchedule:
             final = ran.finals.index_select(0, torch.tensor(kept, device=out.device))
             entries = torch.cat([totals.unsqueeze(-1), final.reshape(len(kept), H, P * N)], -1)
             sent = sent.index_copy(0, _slots([self.pieces[i] for i in kept], sent), entries)
-        sent = sent + 0.0 * x_LHP.reshape(-1)[:1].sum()  # every rank's backward joins the reduce-scatter
-        gathered = AllGatherRows.apply(sent, self.group)  # [W * pad, H, 1 + P N]
+        sent = sent + 0.0 * x_LHP.reshape(-1)[:1].sum()  # every rank's backward joins the transport
+        gathered = self.route.deliver(sent[: self.route.own])  # [rows, H, 1 + P N]
         rows, corrections = [], []
         for p in self.pieces:
             if p.starts_document:
                 continue
-            incoming = _incoming_scalar(p, gathered, self.pad).reshape(H, P, N)
+            incoming = _incoming_scalar(p, gathered).reshape(H, P, N)
             span = slice(p.local_start, p.local_start + p.length)
             C = C_LGN[span].repeat_interleave(H // C_LGN.shape[1], dim=1).to(dtype)  # [n, H, N]
             fade = log_decay[span].cumsum(0).exp()  # [n, H]
@@ -183,26 +191,42 @@ class PieceSchedule:
         return out + 0.0 * gathered.sum()
 
 
+def _peer_route(group: Any, rank: int, counts: list[int], pieces: list[Piece], by_document: dict,
+                slots: dict) -> EntryRoute:
+    """The states point-to-point: each slot to the ranks holding a later piece of its document."""
+    W = len(counts)
+    readers: dict[tuple[int, int], set[int]] = {}  # (rank, slot) -> ranks that read it
+    for runs in by_document.values():
+        order = sorted(runs)
+        for k, (_, r, i) in enumerate(order[:-1]):
+            readers[r, slots[r, i]] = {r2 for _, r2, _ in order[k + 1:] if r2 != r}
+    wanted_by = [torch.tensor(sorted(s for (r, s), who in readers.items() if r == rank and d in who), dtype=torch.long)
+                 for d in range(W)]
+    wanted_from = [torch.tensor(sorted(s for (r, s), who in readers.items() if r == src and rank in who),
+                                dtype=torch.long) for src in range(W)]
+    return EntryRoute.between_peers(group, rank, counts, wanted_from, wanted_by)
+
+
 def _slots(pieces, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor([p.slot for p in pieces], dtype=torch.long, device=like.device)
 
 
-def _incoming(piece: Piece, gathered: torch.Tensor, pad: int) -> torch.Tensor:
+def _incoming(piece: Piece, gathered: torch.Tensor) -> torch.Tensor:
     """``[Hv, dk, dv]``: the state entering `piece`, composed over the pieces before it."""
     state = None
-    for rank, slot in piece.before:
-        entry = gathered[rank * pad + slot]
+    for row in piece.before_rows:
+        entry = gathered[row]
         dk = entry.shape[1]
         P, B = entry[..., :dk], entry[..., dk:]
         state = B if state is None else P @ state + B
     return state
 
 
-def _incoming_scalar(piece: Piece, gathered: torch.Tensor, pad: int) -> torch.Tensor:
+def _incoming_scalar(piece: Piece, gathered: torch.Tensor) -> torch.Tensor:
     """``[H, P N]``: the scan state entering `piece` (each entry: log transition, then B)."""
     state = None
-    for rank, slot in piece.before:
-        entry = gathered[rank * pad + slot]
+    for row in piece.before_rows:
+        entry = gathered[row]
         B = entry[:, 1:]
         state = B if state is None else entry[:, :1].exp() * state + B
     return state

@@ -7,7 +7,8 @@ both independent of the documents' lengths. The alternative, head parallelism ar
 mixer (an all-to-all of its inputs before, and of its outputs after, so each rank runs whole
 documents for ``1 / W`` of the heads), moves ``(W - 1) / W`` of every local row instead.
 Counts follow `Traffic`'s convention: a ring all-gather sends and receives ``W - 1``
-contributions; backward moves the same amounts again.
+contributions; backward moves the same amounts again. Under the grouped layout both travel
+point-to-point to the ranks that read them (Note [Entry routes]): what each rank sends.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from ..exchange.base import Traffic
 from ..kernels.base import accumulate_dtype
+from ..parallel.routes import EntryRoute
 
 KINDS = ("gated_delta", "mamba2", "conv")
 
@@ -102,8 +104,14 @@ def mixer_bytes(state: Any, shape: MixerShape, dtype: torch.dtype) -> MixerBytes
     size = torch.empty(0, dtype=dtype).element_size()
     state_size = torch.empty(0, dtype=accumulate_dtype(dtype)).element_size()
     W = state.world
-    halo = state.conv_plan(shape.conv_width).pad * (W - 1) * shape.conv_channels * size
-    carried = state.piece_schedule.pad * (W - 1) * shape.state_entry * state_size if shape.kind != "conv" else 0
+    halo = _entry_bytes(state.conv_plan(shape.conv_width).route, shape.conv_channels * size)
+    carried = (_entry_bytes(state.piece_schedule.route, shape.state_entry * state_size) if shape.kind != "conv"
+               else Traffic(0, 0, 0, 0))
     crossing = state.local_len * (W - 1) // W
     head_parallel = crossing * (shape.row_in + shape.row_out) * size
-    return MixerBytes(_both_ways(halo), _both_ways(carried), _both_ways(head_parallel))
+    return MixerBytes(halo, carried, _both_ways(head_parallel))
+
+
+def _entry_bytes(route: EntryRoute, entry_bytes: int) -> Traffic:
+    """A route's entries moved, forward and backward, in bytes."""
+    return Traffic(*(n * entry_bytes for n in route.moved()))

@@ -55,17 +55,21 @@ def p2p_rows(x_TX: torch.Tensor, send_splits: list[int], recv_splits: list[int],
     """Point-to-point exchange of rows with only the peers that have a nonzero split.
 
     Same contract as `all_to_all_rows`; both sides derive the splits from the
-    same replicated routing, so every posted send has its matching receive.
+    same replicated routing, so every posted send has its matching receive. Rows a
+    rank sends itself are copied.
     """
     out = x_TX.new_empty((sum(recv_splits), *x_TX.shape[1:]))
     send_chunks = torch.split(x_TX.contiguous(), send_splits)
     recv_chunks = torch.split(out, recv_splits)
+    me = dist.get_rank(group)
+    if send_splits[me]:
+        recv_chunks[me].copy_(send_chunks[me])
     ops = [
         dist.P2POp(dist.isend, send_chunks[j].contiguous(), dist.get_global_rank(group, j), group)
-        for j, n in enumerate(send_splits) if n
+        for j, n in enumerate(send_splits) if n and j != me
     ] + [
         dist.P2POp(dist.irecv, recv_chunks[j], dist.get_global_rank(group, j), group)
-        for j, n in enumerate(recv_splits) if n
+        for j, n in enumerate(recv_splits) if n and j != me
     ]
     if ops:
         for req in dist.batch_isend_irecv(ops):

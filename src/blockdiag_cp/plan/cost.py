@@ -36,7 +36,7 @@ from ..parallel.heads import split_kv_heads, ulysses_peer_elements
 from .geometry import StepGeometry
 from . import ShardPlan, attention_work, make_plan, merge_consecutive_ranks
 
-NEEDED_ONLY = ("auto", "a2a", "halo")
+NEEDED_ONLY = ("auto", "a2a", "halo", "p2p")
 
 
 @dataclass(frozen=True)

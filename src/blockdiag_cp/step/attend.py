@@ -144,7 +144,10 @@ def call_signature(
 def _agree_on_call(state: StepState, signature: CallSignature, problem: Optional[ValueError]) -> None:
     """First call of a signature in this step: every rank checks it passes the same (Note [Ranks agree])."""
     if state.group is not None and state.world > 1 and state.config.check_ranks_agree:
-        shapes = [d for shape in signature.shapes for d in (*shape, *(-1,) * (4 - len(shape)))[:4]]
+        # the sequence dimension as the distance from this rank's shard length (ranks of a grouped plan own
+        # different lengths; a wrong length is this rank's `problem`, raised on every rank below)
+        shapes = [d - (state.local_len if i == 2 and len(shape) == 4 else 0)
+                  for shape in signature.shapes for i, d in enumerate((*shape, *(-1,) * (4 - len(shape)))[:4])]
         others = [zlib.crc32(repr(x).encode()) for x in signature.tensors[3:] + signature.features]
         agree_across_ranks(
             state.group, state.device, [len(s) for s in signature.shapes] + shapes + others, problem,

@@ -102,18 +102,18 @@ def make_cp_blockdiag_batch_and_ctx(
     packed = batch.get("_packed_seq_ids")
     if isinstance(packed, torch.Tensor) and packed.dim() == 1:
         batch["_packed_seq_ids"] = packed.unsqueeze(0)
-    seq_dims, S, doc_ids_1S, problem = _read_row(batch, seq_dims, config, world)
+    seq_dims, S, doc_ids_1S, problem = read_row(batch, seq_dims, config, world)
     if group is not None and config.check_ranks_agree:
         _check_ranks_agree(doc_ids_1S, config, group, _mesh_device(cp_mesh), problem)
     if problem is not None:
         raise problem
-    _warn_unsharded(batch, S, seq_dims)
+    warn_unsharded(batch, S, seq_dims)
     heads = step_head_groups(doc_ids_1S[0], world, rank, group, config)
     state = shard_step(batch, doc_ids_1S, world, rank, group, config, padding_token_id, seq_dims, heads)
     return TrainCtx(state), batch
 
 
-def _read_row(batch: dict[str, Any], seq_dims, config: CPConfig, world: int):
+def read_row(batch: dict[str, Any], seq_dims, config: CPConfig, world: int):
     """``(seq_dims, S, doc ids [1, S], problem)`` of this rank's batch; a bad batch is a `problem`
     (raised after the ranks agree, so every rank fails alike), with None for what it lacks."""
     try:
@@ -224,7 +224,7 @@ def _check_tp_mesh(tp_mesh, cp_mesh) -> None:
         )
 
 
-def _seq_dim(key: str, tensor: torch.Tensor) -> int:
+def seq_dim_of(key: str, tensor: torch.Tensor) -> int:
     return 2 if key == "position_ids" and tensor.dim() == 3 else 1
 
 
@@ -238,7 +238,7 @@ def check_seq_dims(seq_dims: Optional[Mapping[str, int]]) -> dict[str, int]:
     return dict(seq_dims)
 
 
-def _warn_unsharded(batch: Mapping[str, Any], S: int, seq_dims: Mapping[str, int]) -> None:
+def warn_unsharded(batch: Mapping[str, Any], S: int, seq_dims: Mapping[str, int]) -> None:
     """Warn about tensors that look sequence-aligned but that no rule shards (they stay whole on every rank)."""
     known = {*SEQUENCE_KEYS, *seq_dims, *UNSHARDED_ROW_KEYS}
     for key, t in batch.items():
@@ -280,7 +280,7 @@ def _check_batch(batch: Mapping[str, Any], seq_dims: Mapping[str, int] = Mapping
     for name in SEQUENCE_KEYS:
         t = batch.get(name)
         if isinstance(t, torch.Tensor):
-            dim = _seq_dim(name, t)
+            dim = seq_dim_of(name, t)
             batch_dim = 1 if dim == 2 else 0
             if t.dim() <= dim or t.shape[dim] != S or t.shape[batch_dim] != 1:
                 raise ValueError(
@@ -326,17 +326,17 @@ def _shard_batch(
         t = batch.get(key)
         if not isinstance(t, torch.Tensor):
             continue
-        dim = _seq_dim(key, t) if given_dim is None else given_dim
+        dim = seq_dim_of(key, t) if given_dim is None else given_dim
         pad_value = padding_token_id if fill == "pad_token" else fill
-        padded = _pad(t, dim, plan.padded_len, 0 if t.is_floating_point() else pad_value)
+        padded = pad_to(t, dim, plan.padded_len, 0 if t.is_floating_point() else pad_value)
         if start is not None:  # a copy, as a gathered shard is: the same strides for every row (a compiled
             # model guards on strides, even of size-1 dimensions, which .contiguous() leaves as they are)
-            batch[key] = padded.narrow(dim, start, plan.local_len).clone(memory_format=torch.contiguous_format)
+            batch[key] = padded.narrow(dim, start, positions.numel()).clone(memory_format=torch.contiguous_format)
         else:
             batch[key] = padded.index_select(dim, positions.to(t.device))
 
 
-def _pad(t: torch.Tensor, dim: int, length: int, value) -> torch.Tensor:
+def pad_to(t: torch.Tensor, dim: int, length: int, value) -> torch.Tensor:
     missing = length - t.shape[dim]
     if missing == 0:
         return t

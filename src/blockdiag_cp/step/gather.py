@@ -28,10 +28,13 @@ def gather_sequence(local: torch.Tensor, seq_dim: int = 1, state: Optional[StepS
     if state is None:
         raise ValueError("gather_sequence needs a block-diagonal CP step: call it inside train_ctx() or pass state=")
     plan = state.plan
-    if local.shape[seq_dim] != plan.local_len:
-        raise ValueError(f"local has length {local.shape[seq_dim]} on dim {seq_dim}, the shard length is {plan.local_len}")
+    if local.shape[seq_dim] != state.local_len:
+        raise ValueError(f"local has length {local.shape[seq_dim]} on dim {seq_dim}, the shard length is {state.local_len}")
     rows = local.movedim(seq_dim, 0)
     if state.world > 1:
+        missing = plan.max_local_len - rows.shape[0]  # a shorter shard of a grouped plan: padded for the collective
+        if missing:
+            rows = torch.cat([rows, rows.new_zeros((missing, *rows.shape[1:]))])
         rows = AllGatherRows.apply(rows, state.group)
     full = rows.index_select(0, state.geometry.gathered_row[: plan.seq_len].to(rows.device))
     return full.movedim(0, seq_dim)

@@ -91,16 +91,23 @@ class StepState:
                 self._kinds[window] = exchange
             return self._kinds[window]
 
+    @property
+    def peer_routes(self) -> bool:
+        """Mixers hand their halos and states point-to-point to the ranks that read them (the grouped
+        layout: a document's ranks are a few of a large group), else with one all-gather."""
+        return self.plan.layout == "grouped"
+
     @functools.cached_property
     def piece_schedule(self) -> PieceSchedule:
         """Where each document's recurrent state comes from, for this rank's pieces (built on first use)."""
-        return PieceSchedule.build(self.geometry, self.rank, self.group)
+        return PieceSchedule.build(self.geometry, self.rank, self.group, self.peer_routes)
 
     def conv_plan(self, width: int) -> ConvPlan:
         """The per-document causal convolution of `width` for this step (built on first use, then kept)."""
         with self._kinds_lock:
             if width not in self._conv_plans:
-                self._conv_plans[width] = ConvPlan.build(self.geometry, self.rank, self.group, width, self.device)
+                self._conv_plans[width] = ConvPlan.build(self.geometry, self.rank, self.group, width, self.device,
+                                                         self.peer_routes)
             return self._conv_plans[width]
 
     @property
@@ -109,7 +116,8 @@ class StepState:
 
     @property
     def local_len(self) -> int:
-        return self.geometry.plan.local_len
+        """``L``: the positions this rank owns (ranks of a grouped plan may own different numbers)."""
+        return self.geometry.plan.local_len_of(self.rank)
 
     @property
     def positions(self) -> torch.Tensor:
@@ -154,7 +162,7 @@ class StepState:
 
 def build_step_state(
     doc_ids_S: torch.Tensor, world: int, rank: int, group: Any, config: CPConfig, device: torch.device,
-    heads: Optional[HeadGroups] = None,
+    heads: Optional[HeadGroups] = None, plan: Optional[ShardPlan] = None,
 ) -> StepState:
     """Plan a step from replicated, validated document ids ``[S]``: layout, exchange, kernel.
 
@@ -162,9 +170,11 @@ def build_step_state(
     before this), so every rank reaches the same state without exchanging plans (on NCCL,
     one warm-up all-reduce runs when the step's first operation would be point-to-point).
     `heads`: this rank's head-parallel groups (`parallel.heads.head_groups`); None plans
-    ``config.ulysses_degree`` (an int) without process groups, as tools do.
+    ``config.ulysses_degree`` (an int) without process groups, as tools do. `plan`: the shard plan
+    when the caller made it already (the whole-batch step plans from lengths), else the layout's.
     """
-    plan = make_plan(doc_ids_S.cpu(), world, config.layout, config.plan_options())
+    if plan is None:
+        plan = make_plan(doc_ids_S.cpu(), world, config.layout, config.plan_options())
     geometry = StepGeometry.build(plan, doc_ids_S)
     if heads is None and isinstance(config.ulysses_degree, int) and config.ulysses_degree > 1:
         heads = HeadGroups.place(rank, config.ulysses_degree)
