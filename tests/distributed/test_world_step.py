@@ -1,0 +1,131 @@
+"""The whole-batch step (`make_cp_world_batch_and_ctx`) on real gloo ranks: every replica's row planned over
+all dp x cp ranks (unequal shards), attention forward and backward against each replica row's float64 oracle,
+on every exchange and CPU kernel, GQA, windows, sinks, checkpointing, worlds 2-6; bad input raises on every rank."""
+
+import pytest
+
+from blockdiag_cp.testing import spawn
+from blockdiag_cp.testing.world_parity import WorldCase, world_parity_worker
+
+TOL = 1e-10
+
+#: replica rows: one long document beside short ones, padding inside and at the tail, a 1-token document
+ROWS = {
+    "long_and_short": ((5, 9, -2, 13, 1, 2, 3, -3, 7), (37,)),
+    "padding_rows": ((2, 17, 1, 1, 9, 3), (6, -31)),
+    "many_short": ((1, 2, 3, 1, 1, 2, 3, 2, 1, 3, 2, 1), (4, -3, 6, -2, 5, -4, 3, -1), (60,)),
+}
+
+
+def matrix(world):
+    """The cases of one world: dp x cp = world with the rows' replicas (dp = 2, or 3 for three rows)."""
+    cases = []
+    for i, (name, rows) in enumerate(ROWS.items()):
+        if world % len(rows):
+            continue
+        cp = world // len(rows)
+        heads, kv = [(4, 2), (8, 2), (4, 4)][i % 3]
+        for exchange in ("auto", "p2p", "a2a", "allgather", "ring", "halo"):
+            for kernel in ("dense", "sdpa"):
+                cases.append(WorldCase(rows, cp, heads=heads, kv_heads=kv, kv_exchange=exchange, kernel=kernel, seed=i))
+        cases.append(WorldCase(rows, cp, window=4, seed=i))
+        cases.append(WorldCase(rows, cp, kernel="sdpa", sinks=True, checkpoint="non_reentrant", seed=i))
+        cases.append(WorldCase(rows, cp, checkpoint="reentrant", ranks_per_node=2, seed=i))
+    return cases
+
+
+def check(per_rank, world):
+    bad, checked = [], 0
+    for rank, results in enumerate(per_rank):
+        for r in results:
+            checked += 1
+            if not (r.out_err < TOL and r.grad_err < TOL):
+                c = r.case
+                bad.append(f"rank {rank} {c.rows} {c.kv_exchange}/{c.kernel} window={c.window} ckpt={c.checkpoint} "
+                           f"ran={r.exchange}: out {r.out_err:.1e} grad {r.grad_err:.1e}")
+    assert checked == world * len(matrix(world))
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3, 4, 6])
+def test_the_whole_batch_step_matches_each_rows_oracle(world, rank_pools):
+    per_rank = rank_pools(world).run(world_parity_worker, matrix(world))
+    check(per_rank, world)
+    auto = [r for results in per_rank for r in results if r.case.kv_exchange == "auto" and r.case.window is None]
+    assert {r.exchange for r in auto} <= {"p2p", "halo", "a2a"}
+
+
+def test_unequal_shards_and_auto_point_to_point_at_world_four(rank_pools):
+    case = WorldCase(ROWS["long_and_short"], 2, kernel="sdpa")
+    per_rank = rank_pools(4).run(world_parity_worker, [case])
+    check_one = [results[0] for results in per_rank]
+    assert all(r.out_err < TOL and r.grad_err < TOL for r in check_one)
+    assert len({r.local_len for r in check_one}) > 1  # ranks own different numbers of positions
+    assert {r.exchange for r in check_one} == {"p2p"}
+    assert sum(r.tokens for r in check_one) == sum(n for row in case.rows for n in row if n > 0)  # padding left out
+
+
+def bad_input_worker(rank, world, what):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from blockdiag_cp import CPConfig, make_cp_world_batch_and_ctx
+    from blockdiag_cp.testing import doc_ids_from_lengths
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "cp"))
+    segments = (3, 4) if mesh.get_local_rank("dp") == 0 else (5, 1)
+    if what == "replica_disagrees" and rank == 1:
+        segments = (2, 5)  # rank 1 is replica 0's second cp rank: it must hold replica 0's row
+    ids = doc_ids_from_lengths(segments)
+    batch = {"input_ids": torch.ones(1, ids.numel(), dtype=torch.long), "_packed_seq_ids": ids[None]}
+    if what == "bad_batch" and rank == 2:
+        batch["input_ids"] = torch.ones(2, ids.numel(), dtype=torch.long)
+    config = CPConfig(layout="grouped", token_cap=1.5 if (what == "config_disagrees" and rank == 3) else 1.25)
+    try:
+        make_cp_world_batch_and_ctx(mesh, batch, config=config)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("what, message", [
+    ("replica_disagrees", "replica 0 hold different rows"),
+    ("bad_batch", "rejected their batch"),
+    ("config_disagrees", "disagree on the CPConfig"),
+])
+def test_bad_input_raises_on_every_rank(what, message, rank_pools):
+    errors = rank_pools(4).run(bad_input_worker, what)
+    assert all(e is not None for e in errors), errors
+    if what == "bad_batch":
+        assert "batch size must be 1" in errors[2]
+        errors = errors[:2] + errors[3:]
+    assert all(message in e for e in errors), errors
+
+
+def test_a_mesh_that_is_not_a_device_mesh_is_refused():
+    from blockdiag_cp import make_cp_world_batch_and_ctx
+
+    with pytest.raises(ValueError, match="DeviceMesh"):
+        make_cp_world_batch_and_ctx(None, {})
+
+
+def one_d_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from blockdiag_cp.testing.world_parity import run_world_case
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    return run_world_case(WorldCase(((5, 9, -2, 13, 1, 2, 3, -3, 7),), world), mesh)
+
+
+def test_a_one_dimensional_mesh_is_one_replica_over_all_its_ranks(rank_pools):
+    for r in rank_pools(3).run(one_d_worker):
+        assert r.out_err < TOL and r.grad_err < TOL
+
+
+@pytest.mark.slow
+def test_spawned_ranks_run_it_too():
+    """A fresh spawn (not the pool): the step's subgroup-free path on a new process group."""
+    per_rank = spawn(world_parity_worker, 2, [WorldCase(((6, 20), (3, 3, 3)), 1)])
+    assert all(r.out_err < TOL and r.grad_err < TOL for results in per_rank for r in results)
