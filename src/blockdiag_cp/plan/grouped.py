@@ -22,9 +22,10 @@ step's cost model (Note [The step's cost model] in step_costs.py):
    whose busiest member would be least loaded, under the token cap. Each member's K/V
    traffic (the rows its peers need, and back as gradients) counts at the intra- or
    inter-node speed, less what hides behind the attention over its own keys.
-4. Whole documents (and padding runs, cut in short items) go largest first to the least
-   loaded rank with room under the cap (LPT), then single documents move from the busiest
-   rank to the least busy while that shortens the step.
+4. Whole documents go largest first to the least loaded rank with room under the cap
+   (LPT), then single documents move from the busiest rank to the least busy while that
+   shortens the step. Padding (it costs tokens, no attention, and may go anywhere) fills
+   last, up to a common level of modeled time under the cap (water-filling).
 5. Grains 1, 1/2 and 1/4 are tried; the plan with the shortest modeled step wins (ties: the
    coarser grain, fewer cuts). A finer grain cuts more documents and balances finer; a
    document under a quarter of a rank's work is never cut (unless it exceeds the token cap).
@@ -60,8 +61,10 @@ from .step_costs import StepCosts
 
 #: grains tried, coarse to fine (Note [Grouped planner], step 5)
 GRAINS = (1.0, 0.5, 0.25)
-#: stop refining once the modeled step is this close to the ideal
+#: stop trying finer grains once a draft's modeled step is this close to the ideal
 GOOD_ENOUGH = 1.01
+#: the best drafts that get their group cuts and documents settled (Note [Grouped planner], step 4)
+POLISHED = 2
 
 
 @dataclass(frozen=True)
@@ -129,14 +132,14 @@ def place_runs(starts: np.ndarray, lengths: np.ndarray, real: np.ndarray, world:
         raise ValueError(f"world must be a positive int, got {world!r}")
     problem = _Problem.of(np.asarray(starts, np.int64), np.asarray(lengths, np.int64), np.asarray(real, bool),
                           world, options)
-    best = None
+    drafts = []
     for grain in GRAINS:
-        placement = problem.place(grain)
-        if best is None or placement.step_seconds < best.step_seconds * (1 - 1e-9):
-            best = placement
-        if best.step_seconds <= GOOD_ENOUGH * best.ideal or placement.split_documents == problem.documents:
+        drafts.append(problem.draft(grain))
+        if drafts[-1].step <= GOOD_ENOUGH * problem.ideal or drafts[-1].split == problem.documents:
             break
-    return best
+    drafts.sort(key=lambda d: d.step)  # stable: the coarser grain first among equals
+    finished = [problem.finish(d) for d in drafts[:POLISHED]]
+    return min(finished, key=lambda p: p.step_seconds)
 
 
 def pairs_before(offset: np.ndarray, window: Optional[int]) -> np.ndarray:
@@ -200,7 +203,8 @@ class _Problem:
     def ideal(self) -> float:
         return float(self.whole.sum()) / self.world
 
-    def place(self, grain: float) -> Placement:
+    def draft(self, grain: float) -> "_Loads":
+        """Groups placed, whole documents dealt and moved (Note [Grouped planner], steps 2-4)."""
         W = self.world
         g = np.maximum(np.ceil(self.whole / (grain * self.ideal)) if self.ideal > 0 else 1,
                        np.ceil(self.length / self.cap)).astype(np.int64)
@@ -210,41 +214,47 @@ class _Problem:
         groups.sort(key=lambda grp: (-grp.size, -float(grp.compute.max()), grp.run))
         for group in groups:
             state.place_group(group, self._best_window(state, group), self)
-        items = self._whole_items(g == 1)
+        whole = (g == 1) & self.real
+        items = (self.start[whole], self.length[whole])
         state.place_items(items, self.whole_item_seconds(items))
         state.refine(self.whole_item_seconds)
-        return state.placement(self, grain, len(groups))
+        state.grain = grain
+        return state
 
-    def _whole_items(self, whole: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(start, length)`` of the items placed whole: whole documents, and padding cut in items of
-        at most an eighth of the cap (padding costs tokens only and may go anywhere)."""
-        doc = whole & self.real
-        pad = whole & ~self.real
-        piece = max(1, self.cap // 8)
-        pad_lengths = self.length[pad]
-        cuts = np.maximum(1, -(-pad_lengths // piece))
-        first = np.repeat(self.start[pad], cuts) + _within(cuts) * piece
-        end = np.repeat(self.start[pad] + pad_lengths, cuts)
-        starts = np.concatenate([self.start[doc], first])
-        lengths = np.concatenate([self.length[doc], np.minimum(end - first, piece)])
-        return starts, lengths
+    def finish(self, state: "_Loads") -> Placement:
+        """A draft's group cuts and whole documents settled, padding filled: the placement."""
+        for _ in range(3):  # whole documents and group cuts settle each other
+            if not state.rebalance_groups(self, sweeps=2):
+                break
+            state.refine(self.whole_item_seconds)
+        state.fill_padding(self.start[~self.real], self.length[~self.real], self.costs.token_seconds)
+        return state.placement(self, state.grain, len(state.groups))
 
     def whole_item_seconds(self, items: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-        starts, lengths = items
-        index = np.searchsorted(self.start, starts, side="right") - 1
-        pairs = np.where(self.real[index], pairs_before(lengths, self.window), 0.0)
-        return self.costs.token_seconds * lengths + self.costs.pair_seconds * pairs
+        """Seconds of whole documents ``(start, length)``."""
+        lengths = items[1]
+        return self.costs.token_seconds * lengths + self.costs.pair_seconds * pairs_before(lengths, self.window)
 
-    def _group(self, run: int, g: int) -> _Group:
-        """Cut run `run` over `g` members (Note [Grouped planner], step 2) and cost each member."""
-        length, costs = int(self.length[run]), self.costs
-        if self.window is None and length >= 2 * g:
-            bounds = (np.arange(2 * g + 1) * length) // (2 * g)
+    def _group(self, run: int, g: int, tokens: Optional[np.ndarray] = None, traffic: bool = True) -> _Group:
+        """Cut run `run` over `g` members holding `tokens[m]` tokens each (default: equal work), as head and tail
+        chunks (Note [Grouped planner], step 2; contiguous chunks under a window), and cost each member."""
+        length = int(self.length[run])
+        if tokens is None:
+            tokens = np.diff(self._equal_work_cuts(length, g)) if self.window is not None else _even(length, g)
+        if self.window is None and bool((tokens >= 2).all()):
+            heads = tokens // 2
+            sizes = np.concatenate([heads, (tokens - heads)[::-1]])
             chunk_member = np.concatenate([np.arange(g), np.arange(g)[::-1]])
         else:
-            bounds = self._equal_work_cuts(length, g)
-            chunk_member = np.arange(g)
+            sizes, chunk_member = tokens, np.arange(g)
+        bounds = np.concatenate([[0], np.cumsum(sizes)])
         lo, hi, member = _merge_adjacent(bounds[:-1], bounds[1:], chunk_member)
+        return self._cost_group(run, g, lo, hi, member, traffic)
+
+    def _cost_group(self, run: int, g: int, lo: np.ndarray, hi: np.ndarray, member: np.ndarray,
+                    traffic: bool = True) -> _Group:
+        """Each member's compute, tokens and own-key attention, and (`traffic`) the rows members send each other."""
+        costs = self.costs
         n = (hi - lo).astype(np.float64)
         if self.window is None:
             rate = np.where(n >= costs.rectangle_min_queries, costs.rectangle_factor, 1.0)
@@ -255,9 +265,29 @@ class _Problem:
             own = pairs_before(n, self.window)
         seconds = costs.token_seconds * n + costs.pair_seconds * pairs + costs.carry_seconds * n * (lo > 0)
         per_member = lambda x: np.bincount(member, weights=x, minlength=g)  # noqa: E731
-        traffic = _group_traffic(lo, hi, member, g, self.window)
+        rows = _group_traffic(lo, hi, member, g, self.window) if traffic else np.zeros((g, g))
         return _Group(run, per_member(seconds), per_member(n).astype(np.int64), costs.pair_seconds * per_member(own),
-                      traffic, member, lo, hi)
+                      rows, member, lo, hi)
+
+    def recut(self, group: _Group, other: np.ndarray, iterations: int = 4) -> Optional[_Group]:
+        """`group` cut again so that ``other + member compute`` is as even as its work allows (`other`: ``[g]``
+        the members' ranks' seconds without it), or None when the even cut is already right. Token counts
+        follow the target work by fixed-point steps (a member's work grows about linearly with its tokens)."""
+        total = float(group.compute.sum())
+        level = _level(other, total)
+        target = np.maximum(level - other, 0.0)
+        if np.abs(target - group.compute).max() <= 1e-3 * total / group.size:
+            return None
+        length, g = int(self.length[group.run]), group.size
+        least = 2 if self.window is None and length >= 2 * g else 1
+        tokens = group.tokens.astype(np.float64)
+        recut = group
+        for _ in range(iterations):
+            tokens = tokens * np.where(recut.compute > 0, target / np.maximum(recut.compute, 1e-300), 1.0)
+            counts = _round_to(np.maximum(tokens, least), length, least)
+            recut = self._group(group.run, g, counts, traffic=False)
+            tokens = counts.astype(np.float64)
+        return self._group(group.run, g, counts)
 
     def _equal_work_cuts(self, length: int, g: int) -> np.ndarray:
         """``[g + 1]`` offsets cutting a document into `g` contiguous chunks of equal work (each >= 1 token)."""
@@ -294,8 +324,23 @@ class _Problem:
         return np.maximum(link - group.hide, 0.0), intra, inter
 
 
+@dataclass
+class _Placed:
+    """A group where it was placed: its first rank, and each member's exposed link seconds and bytes."""
+
+    group: _Group
+    first: int
+    exposed: np.ndarray
+    intra: np.ndarray
+    inter: np.ndarray
+
+    @property
+    def ranks(self) -> np.ndarray:
+        return self.first + np.arange(self.group.size)
+
+
 class _Loads:
-    """The ranks' loads while a placement is built: seconds, tokens, link bytes, and the pieces so far."""
+    """The ranks' loads while a placement is built: seconds, tokens, link bytes, the groups and whole documents."""
 
     def __init__(self, world: int, cap: int) -> None:
         self.cap = cap
@@ -305,20 +350,58 @@ class _Loads:
         self.tokens = np.zeros(world, dtype=np.int64)
         self.intra = np.zeros(world)
         self.inter = np.zeros(world)
-        self.pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        self.items: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None  # whole items: start, length, rank
+        self.groups: list[_Placed] = []
+        self.items: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None  # whole documents: start, length, rank
+        self.padding: tuple[np.ndarray, np.ndarray, np.ndarray] = (np.zeros(0, np.int64),) * 3
+        self.grain = 1.0
 
-    def place_group(self, group: _Group, first: int, problem: _Problem) -> None:
-        exposed, intra, inter = problem.link_seconds(group, first)
-        ranks = first + np.arange(group.size)
-        self.compute[ranks] += group.compute
-        self.exposed[ranks] += exposed
-        self.seconds[ranks] += group.compute + exposed
-        self.tokens[ranks] += group.tokens
-        self.intra[ranks] += intra
-        self.inter[ranks] += inter
-        doc_start = problem.start[group.run]
-        self.pieces.append((doc_start + group.lo, group.hi - group.lo, first + group.member))
+    @property
+    def step(self) -> float:
+        return float(self.seconds.max())
+
+    @property
+    def split(self) -> int:
+        return len(self.groups)
+
+    def place_group(self, group: _Group, first: int, problem: "_Problem") -> None:
+        placed = _Placed(group, first, *problem.link_seconds(group, first))
+        self.groups.append(placed)
+        self._add(placed, 1)
+
+    def _add(self, placed: _Placed, sign: int) -> None:
+        ranks, group = placed.ranks, placed.group
+        self.compute[ranks] += sign * group.compute
+        self.exposed[ranks] += sign * placed.exposed
+        self.seconds[ranks] += sign * (group.compute + placed.exposed)
+        self.tokens[ranks] += sign * group.tokens
+        self.intra[ranks] += sign * placed.intra
+        self.inter[ranks] += sign * placed.inter
+
+    def rebalance_groups(self, problem: "_Problem", sweeps: int = 3) -> None:
+        """Re-cut each group so that its members' ranks end as even as its work allows (Note [Grouped planner],
+        step 4): a member on a busier rank holds fewer tokens. Kept only where the busiest member gets faster.
+        Returns whether any group was cut again."""
+        changed = False
+        for _ in range(sweeps):
+            moved = False
+            hot = float(self.seconds.mean()) * (1 + 1e-3)  # only groups with a member on a rank above the mean
+            for index in sorted(range(len(self.groups)), key=lambda i: -float(self.groups[i].group.compute.sum())):
+                placed = self.groups[index]
+                if self.seconds[placed.ranks].max() <= hot:
+                    continue
+                self._add(placed, -1)
+                other = self.seconds[placed.ranks]
+                recut = problem.recut(placed.group, other)
+                if recut is not None:
+                    candidate = _Placed(recut, placed.first, *problem.link_seconds(recut, placed.first))
+                    before = (other + placed.group.compute + placed.exposed).max()
+                    if (other + recut.compute + candidate.exposed).max() < before * (1 - 1e-6):
+                        placed = self.groups[index] = candidate
+                        moved = changed = True
+                self._add(placed, 1)
+            if not moved:
+                break
+        return changed
 
     def place_items(self, items: tuple[np.ndarray, np.ndarray], seconds: np.ndarray) -> None:
         """Largest first, each to the least loaded rank with room under the cap (else the most room)."""
@@ -351,33 +434,80 @@ class _Loads:
             heapq.heappush(heap, (float(self.seconds[chosen]), chosen))
         self.items = (starts, lengths, rank_of)
 
-    def refine(self, item_seconds, rounds: Optional[int] = None) -> None:
-        """Move single whole items from the busiest rank to the least busy while the step shortens."""
+    def refine(self, item_seconds, rounds: Optional[int] = None, partners: int = 8) -> None:
+        """While the step shortens: move one whole document from the busiest rank to a less busy one, or swap
+        one of its documents with a smaller one of the `partners` least busy ranks."""
         starts, lengths, rank_of = self.items
         seconds = item_seconds((starts, lengths))
         by_rank: list[list[int]] = [[] for _ in range(self.seconds.size)]
         for i, r in enumerate(rank_of.tolist()):
             by_rank[r].append(i)
         for _ in range(4 * self.seconds.size if rounds is None else rounds):
-            hi, lo = int(np.argmax(self.seconds)), int(np.argmin(self.seconds))
-            gap = self.seconds[hi] - self.seconds[lo]
+            hi = int(np.argmax(self.seconds))
             mine = np.array(by_rank[hi], dtype=np.int64)
-            if gap <= 0 or mine.size == 0:
+            move = None if mine.size == 0 else self._best_move(hi, mine, by_rank, seconds, lengths, partners)
+            if move is None:
                 return
-            fits = mine[(seconds[mine] < gap) & (self.tokens[lo] + lengths[mine] <= self.cap)]
-            if fits.size == 0:
-                return
-            i = int(fits[np.argmin(np.abs(seconds[fits] - gap / 2))])
-            by_rank[hi].remove(i)
-            by_rank[lo].append(i)
-            rank_of[i] = lo
-            for r, sign in ((hi, -1), (lo, 1)):
-                self.seconds[r] += sign * seconds[i]
-                self.compute[r] += sign * seconds[i]
-                self.tokens[r] += sign * lengths[i]
+            i, j, lo = move  # item i from hi to lo, and item j (or -1) back
+            for item, src, dst in ((i, hi, lo), (j, lo, hi)):
+                if item < 0:
+                    continue
+                by_rank[src].remove(item)
+                by_rank[dst].append(item)
+                rank_of[item] = dst
+                for r, sign in ((src, -1), (dst, 1)):
+                    self.seconds[r] += sign * seconds[item]
+                    self.compute[r] += sign * seconds[item]
+                    self.tokens[r] += sign * lengths[item]
+
+    def _best_move(self, hi: int, mine: np.ndarray, by_rank, seconds, lengths, partners: int):
+        """``(item from hi, item back or -1, partner rank)`` that lowers the pair's busier side most, or None."""
+        best, best_peak = None, self.seconds[hi] * (1 - 1e-12)
+        for lo in np.argsort(self.seconds, kind="stable")[:partners].tolist():
+            gap = self.seconds[hi] - self.seconds[lo]
+            if lo == hi or gap <= 0:
+                continue
+            theirs = np.array([-1] + by_rank[lo], dtype=np.int64)
+            back_s = np.where(theirs >= 0, seconds[theirs], 0.0)
+            back_n = np.where(theirs >= 0, lengths[theirs], 0)
+            delta = seconds[mine][:, None] - back_s[None, :]  # [mine, theirs]: what leaves hi
+            room = (self.tokens[lo] + lengths[mine][:, None] - back_n[None, :] <= self.cap) & (
+                self.tokens[hi] - lengths[mine][:, None] + back_n[None, :] <= self.cap)
+            peak = np.maximum(self.seconds[hi] - delta, self.seconds[lo] + delta)
+            peak = np.where((delta > 0) & room, peak, np.inf)
+            a, b = np.unravel_index(int(np.argmin(peak)), peak.shape)
+            if peak[a, b] < best_peak:
+                best, best_peak = (int(mine[a]), int(theirs[b]), lo), float(peak[a, b])
+        return best
+
+    def fill_padding(self, starts: np.ndarray, lengths: np.ndarray, token_seconds: float) -> None:
+        """Give the padding runs' tokens to the ranks up to one level of modeled time, under the cap (above it
+        evenly when the cap has no room left), cutting the runs in order."""
+        total = int(lengths.sum())
+        if total == 0:
+            return
+        room = np.maximum(self.cap - self.tokens, 0)
+        if room.sum() < total:
+            room = room + -(-(total - int(room.sum())) // room.size)
+        level = self.seconds if token_seconds > 0 else self.tokens.astype(np.float64)
+        rate = token_seconds if token_seconds > 0 else 1.0
+        amounts = _water_fill(level / rate, room, total)
+        bounds = np.concatenate([[0], np.cumsum(amounts)])
+        runs_end = np.cumsum(lengths)
+        cuts = np.unique(np.concatenate([bounds, runs_end, [0]]))
+        lo, hi = cuts[:-1], cuts[1:]
+        run = np.searchsorted(runs_end, lo, side="right")
+        rank = np.searchsorted(bounds, lo, side="right") - 1
+        first = starts[run] + lo - (runs_end[run] - lengths[run])
+        self.padding = (first, hi - lo, rank)
+        self.tokens += amounts
+        self.seconds += amounts * token_seconds
+        self.compute += amounts * token_seconds
 
     def placement(self, problem: _Problem, grain: float, split: int) -> Placement:
-        starts, lengths, ranks = (np.concatenate(parts) for parts in zip(*self.pieces, self.items))
+        pieces = [(problem.start[p.group.run] + p.group.lo, p.group.hi - p.group.lo, p.first + p.group.member)
+                  for p in self.groups]
+        starts, lengths, ranks = (np.concatenate(parts) for parts in zip(*pieces, self.items, self.padding))
         empty = np.flatnonzero(np.bincount(ranks, minlength=self.tokens.size) == 0)
         if empty.size:  # a rank with nothing to do still holds one (padding) position
             end = int(problem.start[-1] + problem.length[-1]) if problem.start.size else 0
@@ -438,8 +568,50 @@ def _union_per_member(lo: np.ndarray, hi: np.ndarray, member: np.ndarray):
     return lo[new], merged_hi, member[new]
 
 
-def _within(counts: np.ndarray) -> np.ndarray:
-    """``[sum(counts)]``: 0..counts[i]-1 for each i, concatenated."""
-    total = int(counts.sum())
-    first = np.repeat(np.cumsum(counts) - counts, counts)
-    return np.arange(total) - first
+def _level(other: np.ndarray, total: float) -> float:
+    """The common level ``L`` with ``sum(max(L - other, 0)) == total`` (water-filling over `other`)."""
+    order = np.sort(other)
+    for k in range(order.size, 0, -1):
+        level = (total + order[:k].sum()) / k
+        if level >= order[k - 1]:
+            return float(level)
+    return float(order[0] + total)
+
+
+def _round_to(values: np.ndarray, total: int, least: int) -> np.ndarray:
+    """`values` as integers >= `least` summing to `total`: the part above `least` scaled to fit, floored, and
+    the tokens left over given to the largest remainders."""
+    free = total - least * values.size
+    above = np.maximum(values - least, 0.0)
+    share = above * free / above.sum() if above.sum() > 0 else np.full(values.size, free / values.size)
+    base = np.floor(share).astype(np.int64)
+    order = np.argsort(-(share - base), kind="stable")
+    base[order[: free - int(base.sum())]] += 1
+    return base + least
+
+
+def _even(length: int, g: int) -> np.ndarray:
+    """``[g]`` token counts as equal as integers allow, summing to `length`."""
+    return np.diff((np.arange(g + 1) * length) // g)
+
+
+def _water_fill(level: np.ndarray, room: np.ndarray, total: int) -> np.ndarray:
+    """``[W]`` int64 amounts summing to `total`, each at most `room`, raising the lowest `level`s to a common
+    one (``level + amount`` equal where an amount is neither 0 nor its room)."""
+    lo, hi = float(level.min()), float((level + room).max())
+    for _ in range(60):  # bisection on the common level
+        mid = (lo + hi) / 2
+        if np.clip(mid - level, 0, room).sum() < total:
+            lo = mid
+        else:
+            hi = mid
+    amounts = np.floor(np.clip(hi - level, 0, room)).astype(np.int64)
+    short = total - int(amounts.sum())
+    order = np.lexsort((np.arange(level.size), level + amounts))
+    for r in order:  # the rounding left over: one token each to the lowest ranks with room
+        if short <= 0:
+            break
+        if amounts[r] < room[r]:
+            amounts[r] += 1
+            short -= 1
+    return amounts

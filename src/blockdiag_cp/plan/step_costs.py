@@ -146,7 +146,8 @@ def _config_sizes(config: Any) -> dict[str, Any]:
                          "give StepCosts explicit numbers (StepCosts(token_seconds=..., pair_seconds=...))")
     qk = (get("qk_nope_head_dim", default=0) + get("qk_rope_head_dim", default=0)) or get("head_dim") or hidden // heads
     kinds = get("layer_types", "layers_block_type", default=None)
-    attention_layers = None if not isinstance(kinds, (list, tuple)) else sum("attention" in str(k) for k in kinds)
+    attention_layers = None if not isinstance(kinds, (list, tuple)) else sum(
+        "attention" in str(k) and "linear" not in str(k) for k in kinds)
     experts = get("num_experts_per_tok", "num_experts_per_token", default=1)
     moe = get("moe_intermediate_size", default=None)
     intermediate = moe if (moe and experts > 1) else get("intermediate_size", "ffn_dim", default=4 * hidden)
