@@ -12,8 +12,8 @@ step's cost model (Note [The step's cost model] in step_costs.py):
    target per rank is ``tau = sum c / W`` (the ideal step) and the token cap ``1.25 x`` the
    mean tokens per rank (`token_cap`, memory).
 2. At a *grain* ``theta``, a document gets ``g = max(ceil(c / (theta tau)), ceil(l / cap))``
-   ranks (at most ``min(W, l)``): short ones ``g = 1`` stay whole, long ones get a group sized
-   to their work. Inside a group the document is cut as the balanced layout cuts one long
+   ranks (at most ``min(W, l)``, and at most a node's when ``ceil(c / tau)`` ranks fit in one):
+   short ones ``g = 1`` stay whole, long ones get a group sized to their work. Inside a group the document is cut as the balanced layout cuts one long
    document: ``2g`` chunks, member ``m`` holding chunks ``m`` and ``2g - 1 - m`` (head and
    tail), so every member has the same tokens and the same kernel work, rectangles
    included. Under a sliding window the cut is ``g`` contiguous chunks of equal work.
@@ -63,8 +63,8 @@ from .step_costs import StepCosts
 GRAINS = (1.0, 0.5, 0.25)
 #: stop trying finer grains once a draft's modeled step is this close to the ideal
 GOOD_ENOUGH = 1.01
-#: the best drafts that get their group cuts and documents settled (Note [Grouped planner], step 4)
-POLISHED = 2
+#: the best drafts that get their group cuts and documents settled (Note [Grouped planner], step 4): all three
+POLISHED = 3
 
 
 @dataclass(frozen=True)
@@ -138,8 +138,14 @@ def place_runs(starts: np.ndarray, lengths: np.ndarray, real: np.ndarray, world:
         if drafts[-1].step <= GOOD_ENOUGH * problem.ideal or drafts[-1].split == problem.documents:
             break
     drafts.sort(key=lambda d: d.step)  # stable: the coarser grain first among equals
-    finished = [problem.finish(d) for d in drafts[:POLISHED]]
-    return min(finished, key=lambda p: p.step_seconds)
+    best = None
+    for draft in drafts[:POLISHED]:
+        finished = problem.finish(draft)
+        if best is None or finished.step_seconds < best.step_seconds:
+            best = finished
+        if best.step_seconds <= GOOD_ENOUGH * problem.ideal:
+            break
+    return best
 
 
 def pairs_before(offset: np.ndarray, window: Optional[int]) -> np.ndarray:
@@ -208,6 +214,8 @@ class _Problem:
         W = self.world
         g = np.maximum(np.ceil(self.whole / (grain * self.ideal)) if self.ideal > 0 else 1,
                        np.ceil(self.length / self.cap)).astype(np.int64)
+        fits_a_node = np.ceil(self.whole / self.ideal) <= self.rpn if self.ideal > 0 else np.ones_like(self.real)
+        g = np.where(fits_a_node, np.minimum(g, self.rpn), g)  # a group crosses nodes only when its work needs it
         g = np.where(self.real, np.clip(g, 1, np.minimum(W, self.length)), 1)
         state = _Loads(W, self.cap)
         groups = [self._group(int(r), int(g[r])) for r in np.flatnonzero(g > 1)]
@@ -269,7 +277,7 @@ class _Problem:
         return _Group(run, per_member(seconds), per_member(n).astype(np.int64), costs.pair_seconds * per_member(own),
                       rows, member, lo, hi)
 
-    def recut(self, group: _Group, other: np.ndarray, iterations: int = 4) -> Optional[_Group]:
+    def recut(self, group: _Group, other: np.ndarray, iterations: int = 3) -> Optional[_Group]:
         """`group` cut again so that ``other + member compute`` is as even as its work allows (`other`: ``[g]``
         the members' ranks' seconds without it), or None when the even cut is already right. Token counts
         follow the target work by fixed-point steps (a member's work grows about linearly with its tokens)."""
@@ -306,11 +314,15 @@ class _Problem:
         starts = s[(s // rpn) == ((s + g - 1) // rpn)] if g <= rpn else s[s % rpn == 0]
         if starts.size == 0:
             starts = np.array([W - g])
-        windows = np.lib.stride_tricks.sliding_window_view(state.seconds, g)[starts]
-        tokens = np.lib.stride_tricks.sliding_window_view(state.tokens, g)[starts]
-        busiest = (windows + group.compute).max(axis=1)
-        over = np.maximum(tokens + group.tokens - self.cap, 0).sum(axis=1)
-        order = np.lexsort((starts, windows.sum(axis=1), busiest, over))
+        busiest = np.full(starts.size, -np.inf)
+        load = np.zeros(starts.size)
+        over = np.zeros(starts.size, dtype=np.int64)
+        for m in range(g):  # one pass per member over every candidate window (g small, W large)
+            at = starts + m
+            busiest = np.maximum(busiest, state.seconds[at] + group.compute[m])
+            load += state.seconds[at]
+            over += np.maximum(state.tokens[at] + group.tokens[m] - self.cap, 0)
+        order = np.lexsort((starts, load, busiest, over))
         return int(starts[order[0]])
 
     def link_seconds(self, group: _Group, first: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -384,7 +396,8 @@ class _Loads:
         changed = False
         for _ in range(sweeps):
             moved = False
-            hot = float(self.seconds.mean()) * (1 + 1e-3)  # only groups with a member on a rank above the mean
+            mean, peak = float(self.seconds.mean()), float(self.seconds.max())
+            hot = mean + 0.25 * (peak - mean)  # only groups with a member on a rank near the busiest
             for index in sorted(range(len(self.groups)), key=lambda i: -float(self.groups[i].group.compute.sum())):
                 placed = self.groups[index]
                 if self.seconds[placed.ranks].max() <= hot:

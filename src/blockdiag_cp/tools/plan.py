@@ -6,6 +6,12 @@ links, the attention work on the busiest rank against the mean, and a predicted
 time per layer (links at the given bandwidths, attention at the given rate, no
 overlap), then what ``ulysses_degree="auto"`` would choose (Note [Scheme costs]).
 Nothing of size S x S is built: 1M tokens at world 64 plans in seconds.
+
+With ``--whole-batch`` it projects a data-parallel run instead (Note [Projecting a whole-batch
+step]): documents of a length distribution packed into rows of ``--row-len`` tokens (best fit
+decreasing), ``--dp`` rows per micro-batch, each replica's row on its ``--cp`` ranks against
+one grouped plan over all ``dp x cp`` ranks, with the step's cost model of ``--model``: the
+step time of both, the per-rank spread, bytes per link class and the planning time.
 """
 
 from __future__ import annotations
@@ -94,6 +100,8 @@ def auto_choice(costs: list[tuple[Scheme, SchemeCost]], args: argparse.Namespace
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    if args.whole_batch:
+        return run_whole_batch(args)
     costs, seconds = plan_costs(args)
     print(f"blockdiag-cp plan: world {args.world} ({args.gpus_per_node} per node), S = {args.seq_len}, "
           f"docs {args.docs}, layout {args.layout}, {args.heads}/{args.kv_heads} heads of {args.head_dim}, "
@@ -109,6 +117,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def plan_problem(args: argparse.Namespace) -> str | None:
     """Why these ``plan`` settings cannot be planned (None if they can)."""
+    if args.whole_batch:
+        return whole_batch_problem(args)
     degree = args.ulysses_degree
     if degree not in ("all", "auto") and not degree.isdigit():
         return f"--ulysses-degree {degree!r}: use all, auto or a positive integer"
@@ -141,3 +151,170 @@ def add_plan_args(p: argparse.ArgumentParser, positive: Callable[[str], int]) ->
     p.add_argument("--intra-gbps", type=float, default=400.0, help="per-GPU intra-node bandwidth, GB/s")
     p.add_argument("--inter-gbps", type=float, default=50.0, help="per-GPU inter-node bandwidth, GB/s")
     p.add_argument("--tflops", type=float, default=400.0, help="attention throughput per GPU, TFLOP/s")
+    add_whole_batch_args(p, positive)
+
+
+# ---------------------------------------------------------------------------
+# --whole-batch: fixed rows against the grouped plan (Note [Projecting a whole-batch step])
+
+#: model presets of ``--model`` (a path to a config.json works too): StepCosts.for_transformer's sizes
+MODELS = MappingProxyType({
+    "llama-1b": dict(hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64, intermediate=8192, vocab=128256),
+    "llama-8b": dict(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256),
+    "qwen3-30b-a3b": dict(hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, intermediate=768, vocab=151936,
+                          active_experts=8),
+})
+LENGTHS_HELP = ("lognormal[:MU:SIGMA] (default 7.0:1.2, median 1.1k tokens: SFT), powerlaw[:A] (Pareto from 64 "
+                "tokens, shape A, default 1.3), longmix (SFT lengths with 5%% long documents of a quarter to two "
+                "rows), or file:PATH (one length per line)")
+
+
+def add_whole_batch_args(p: argparse.ArgumentParser, positive: Callable[[str], int]) -> None:
+    group = p.add_argument_group("whole batch (--whole-batch)")
+    group.add_argument("--whole-batch", action="store_true",
+                       help="project fixed rows (each replica's row on its cp ranks) against one grouped plan over "
+                            "all dp x cp ranks, from a length distribution")
+    group.add_argument("--lengths", default="lognormal", help="document lengths: " + LENGTHS_HELP)
+    group.add_argument("--dp", type=positive, default=8, help="data-parallel replicas (rows per micro-batch)")
+    group.add_argument("--cp", type=positive, default=4, help="CP ranks per replica")
+    group.add_argument("--row-len", type=positive, default=32768, help="tokens per packed row")
+    group.add_argument("--model", default="llama-1b",
+                       help=f"the cost model: {', '.join(MODELS)}, or a path to a transformers config.json")
+    group.add_argument("--batches", type=positive, default=8, help="micro-batches projected (averaged)")
+    group.add_argument("--token-cap", type=float, default=1.25, help="a rank's tokens at most this times the mean")
+    group.add_argument("--seed", type=int, default=0, help="seed of the lengths and of the row shuffle")
+
+
+def whole_batch_problem(args: argparse.Namespace) -> str | None:
+    """Why these ``--whole-batch`` settings cannot be projected (None if they can)."""
+    import os
+
+    kind, _, rest = args.lengths.partition(":")
+    numbers = rest.split(":") if rest else []
+    if kind == "file":
+        if not os.path.isfile(rest):
+            return f"--lengths {args.lengths!r}: no such file"
+    elif kind not in ("lognormal", "powerlaw", "longmix") or (kind == "longmix" and numbers) or \
+            len(numbers) > {"lognormal": 2, "powerlaw": 1}.get(kind, 0) or not all(_is_number(n) for n in numbers):
+        return f"--lengths {args.lengths!r}: use {LENGTHS_HELP.replace('%%', '%')}"
+    if kind == "powerlaw" and numbers and float(numbers[0]) <= 0:
+        return f"--lengths {args.lengths!r}: the shape must be positive"
+    if args.model not in MODELS and not os.path.isfile(args.model):
+        return f"--model {args.model!r}: use one of {', '.join(MODELS)} or a path to a config.json"
+    if args.dp * args.cp > 65536:
+        return f"--dp x --cp = {args.dp * args.cp} ranks: at most 65536"
+    if not args.token_cap >= 1.0:
+        return f"--token-cap {args.token_cap}: must be >= 1 (a multiple of the mean tokens per rank)"
+    if min(args.intra_gbps, args.inter_gbps, args.tflops) <= 0:
+        return "--intra-gbps, --inter-gbps and --tflops must be positive"
+    return None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def sample_lengths(spec: str, tokens: int, row_len: int, seed: int):
+    """Document lengths (numpy int64) of `spec` until they hold at least `tokens` tokens."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    kind, _, rest = spec.partition(":")
+    if kind == "file":
+        with open(rest) as f:
+            pool = np.array([int(line) for line in f if line.strip()], dtype=np.int64)
+        if pool.size == 0 or pool.min() < 1:
+            raise ValueError(f"--lengths {spec!r}: the file must hold positive lengths, one per line")
+        repeats = -(-tokens // int(pool.sum()))
+        return np.tile(pool, repeats)
+    numbers = [float(n) for n in rest.split(":")] if rest else []
+    count = max(16, int(2 * tokens / 1000))
+    if kind == "lognormal":
+        mu, sigma = (numbers + [7.0, 1.2][len(numbers):])[:2]
+        lengths = rng.lognormal(mu, sigma, count)
+    elif kind == "powerlaw":
+        shape = numbers[0] if numbers else 1.3
+        lengths = 64 * (1 + rng.pareto(shape, count))
+    else:  # longmix
+        lengths = np.where(rng.random(count) < 0.05, rng.uniform(row_len / 4, 2 * row_len, count),
+                           rng.lognormal(6.5, 1.0, count))
+    lengths = np.maximum(1, lengths).astype(np.int64)
+    keep = int(np.searchsorted(np.cumsum(lengths), tokens)) + 1
+    return lengths[:keep] if keep <= lengths.size else np.concatenate(
+        [lengths, sample_lengths(spec, tokens - int(lengths.sum()), row_len, seed + 1)])
+
+
+def model_costs(args: argparse.Namespace):
+    """The `StepCosts` of ``--model`` at ``--tflops`` and the link speeds."""
+    import json
+    from types import SimpleNamespace
+
+    from ..plan.step_costs import StepCosts
+
+    links = dict(tflops=args.tflops, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps)
+    if args.model in MODELS:
+        return StepCosts.for_transformer(**MODELS[args.model], **links)
+    with open(args.model) as f:
+        config = json.load(f)
+    text = config.get("text_config") or config
+    return StepCosts.from_config(SimpleNamespace(**text), **links)
+
+
+def run_whole_batch(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from ..plan.options import PlanOptions
+    from ..plan.whole_batch import micro_batches, pack_rows, project
+
+    costs = model_costs(args)
+    lengths = sample_lengths(args.lengths, int(1.2 * args.dp * args.batches * args.row_len), args.row_len, args.seed)
+    batches = micro_batches(pack_rows(lengths, args.row_len), args.dp, args.seed)[: args.batches]
+    if not batches:
+        print(f"blockdiag-cp plan: the lengths filled fewer than --dp {args.dp} rows")
+        return 1
+    options = PlanOptions(ranks_per_node=args.gpus_per_node, token_cap=args.token_cap, costs=costs)
+    projections = [project(batch, args.cp, options) for batch in batches]
+    world = args.dp * args.cp
+    print(f"blockdiag-cp plan --whole-batch: dp {args.dp} x cp {args.cp} = {world} ranks ({args.gpus_per_node} per "
+          f"node), rows of {args.row_len} tokens, lengths {args.lengths}, model {args.model} (a token costs "
+          f"{costs.pairs_per_token:.0f} attention pairs), links {args.intra_gbps} / {args.inter_gbps} GB/s, "
+          f"{args.tflops} TFLOP/s, {len(batches)} micro-batches")
+    print("\n".join(whole_batch_table(projections, batches, args.cp, world)))
+    fixed = sum(p.fixed_seconds for p in projections)
+    grouped = sum(p.grouped.step_seconds for p in projections)
+    ideal = sum(p.grouped.ideal for p in projections)
+    tokens = np.mean([sum(int(r.sum()) for r in batch) for batch in batches])
+    print(f"\nProjected: the grouped plan is {fixed / grouped:.2f}x faster than fixed rows, {grouped / ideal:.3f}x "
+          f"the ideal (every document whole, no links, perfectly balanced). Planning: at most "
+          f"{max(p.plan_seconds for p in projections):.2f} s per micro-batch of {tokens / 1e6:.2f}M tokens over "
+          f"{world} ranks (one core).")
+    return 0
+
+
+def whole_batch_table(projections, batches, cp: int, world: int) -> list[str]:
+    """The two plans' means over the micro-batches (fixed rows: every row balanced over its cp ranks, links free)."""
+    import numpy as np
+
+    def mean(values):
+        return float(np.mean(list(values)))
+
+    ideal = mean(p.grouped.ideal for p in projections)
+    g = [p.grouped for p in projections]
+    row_tokens = [np.array([r.sum() for r in batch]) for batch in batches]
+    lines = ["| plan | step ms | x ideal | rank time max/mean | tokens max/mean | MB/rank intra | MB/rank inter | "
+             "documents cut | planning s |", "|---|---|---|---|---|---|---|---|---|",
+             f"| fixed rows (each replica's row on its {cp} ranks) | {mean(p.fixed_seconds for p in projections) * 1e3:.1f} "
+             f"| {mean(p.fixed_seconds for p in projections) / ideal:.3f} | "
+             f"{mean(p.fixed_seconds / p.grouped.ideal for p in projections):.3f} | "
+             f"{mean(t.max() / t.mean() for t in row_tokens):.3f} | not modeled (free) | not modeled (free) | "
+             "(a row's own) | - |",
+             f"| grouped over all {world} ranks | {mean(x.step_seconds for x in g) * 1e3:.1f} | "
+             f"{mean(x.step_seconds for x in g) / ideal:.3f} | {mean(x.seconds.max() / x.seconds.mean() for x in g):.3f} | "
+             f"{mean(x.tokens.max() / x.tokens.mean() for x in g):.3f} | {mean(x.intra_bytes.max() for x in g) / 1e6:.1f} | "
+             f"{mean(x.inter_bytes.max() for x in g) / 1e6:.1f} | {mean(x.split_documents for x in g):.1f} | "
+             f"{max(p.plan_seconds for p in projections):.2f} |"]
+    return lines
