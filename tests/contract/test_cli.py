@@ -92,6 +92,13 @@ def test_demo_short_run_matches_reference_and_writes_into_out(tmp_path):
     (["plan", "--ulysses-degree", "some"], "use all, auto or a positive integer"),
     (["plan", "--docs", "powerlaw:0"], "--docs"),
     (["plan", "--inter-gbps", "0"], "must be positive"),
+    (["plan", "--whole-batch", "--lengths", "gamma"], "--lengths 'gamma'"),
+    (["plan", "--whole-batch", "--lengths", "lognormal:7:x"], "--lengths"),
+    (["plan", "--whole-batch", "--lengths", "powerlaw:-1"], "shape must be positive"),
+    (["plan", "--whole-batch", "--lengths", "file:/no/such/file"], "no such file"),
+    (["plan", "--whole-batch", "--model", "gpt-17"], "--model 'gpt-17'"),
+    (["plan", "--whole-batch", "--token-cap", "0.5"], "--token-cap"),
+    (["plan", "--whole-batch", "--dp", "0"], "--dp"),
 ])
 def test_plan_settings_errors_are_one_line_before_planning(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -111,6 +118,21 @@ def test_plan_sizes_a_million_tokens_at_world_64_and_names_the_auto_choice(capsy
     inter = {name: float(row.split("|")[3]) for name, row in zip(names, rows) if "n/a" not in row}
     assert inter["hybrid u=8"] < inter["needed-only (auto)"] / 4
     assert "ulysses_degree='auto' (fewest bytes on the busiest rank): hybrid u=8" in out
+
+
+def test_plan_whole_batch_projects_fixed_rows_against_the_grouped_plan(tmp_path, capsys):
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(n) for n in [30000, 12000, 900, 300, 70, 5, 2000, 4500] * 40))
+    assert main(["plan", "--whole-batch", "--lengths", f"file:{lengths}", "--dp", "4", "--cp", "2", "--row-len",
+                 "32768", "--batches", "2", "--gpus-per-node", "4"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in out.splitlines()
+            if line.startswith("| ") and "step ms" not in line}
+    fixed, grouped = rows["fixed rows (each replica's row on its 2 ranks)"], rows["grouped over all 8 ranks"]
+    assert float(grouped[0]) < float(fixed[0])  # the step, ms
+    assert 0.9 < float(grouped[1]) < 1.1  # x ideal
+    assert float(grouped[3]) <= 1.25 + 1e-3  # tokens max/mean under the cap
+    assert "Projected: the grouped plan is" in out and "x faster than fixed rows" in out
 
 
 def test_version(capsys):

@@ -196,7 +196,7 @@ class _Problem:
     def of(start, length, real, world: int, options: PlanOptions) -> "_Problem":
         costs = options.costs or StepCosts()
         pairs = np.where(real, pairs_before(length, options.window), 0.0)
-        whole = costs.token_seconds * length + costs.pair_seconds * pairs
+        whole = costs.token_seconds * length + costs.pair_seconds * pairs + costs.piece_seconds * real
         cap = max(1, math.ceil(options.token_cap * float(length.sum()) / world))
         rpn = min(world, options.ranks_per_node or world)
         return _Problem(start, length, real, whole, world, rpn, cap, costs, options.window)
@@ -241,7 +241,8 @@ class _Problem:
     def whole_item_seconds(self, items: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
         """Seconds of whole documents ``(start, length)``."""
         lengths = items[1]
-        return self.costs.token_seconds * lengths + self.costs.pair_seconds * pairs_before(lengths, self.window)
+        return (self.costs.token_seconds * lengths + self.costs.pair_seconds * pairs_before(lengths, self.window)
+                + self.costs.piece_seconds)
 
     def _group(self, run: int, g: int, tokens: Optional[np.ndarray] = None, traffic: bool = True) -> _Group:
         """Cut run `run` over `g` members holding `tokens[m]` tokens each (default: equal work), as head and tail
@@ -271,7 +272,8 @@ class _Problem:
         else:
             pairs = pairs_before(hi, self.window) - pairs_before(lo, self.window)
             own = pairs_before(n, self.window)
-        seconds = costs.token_seconds * n + costs.pair_seconds * pairs + costs.carry_seconds * n * (lo > 0)
+        seconds = (costs.token_seconds * n + costs.pair_seconds * pairs + costs.carry_seconds * n * (lo > 0)
+                   + costs.piece_seconds)
         per_member = lambda x: np.bincount(member, weights=x, minlength=g)  # noqa: E731
         rows = _group_traffic(lo, hi, member, g, self.window) if traffic else np.zeros((g, g))
         return _Group(run, per_member(seconds), per_member(n).astype(np.int64), costs.pair_seconds * per_member(own),

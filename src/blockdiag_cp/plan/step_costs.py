@@ -12,6 +12,9 @@ forward + backward of the whole model on a rank costs
                                                  (a pair of a rectangle, the keys before a
                                                  piece of >= 768 queries, at `rectangle_factor`:
                                                  Note [Kernel-aware work] in balanced.py)
+  + piece_seconds * pieces                       a fixed cost per document piece a rank holds
+                                                 (its own kernel calls; 0 by default: GPU
+                                                 kernels batch them, the CPU ones do not)
   + carry_seconds * tokens of continuing pieces  a hybrid's recurrences rerun a piece that
                                                  continues a document on another rank from
                                                  an identity state (Note [Passing a
@@ -77,6 +80,7 @@ class StepCosts:
         pair_seconds: forward + backward of every attention layer, per causal query-key pair.
         carry_seconds: extra per token of a piece that continues a document on another rank
             (hybrid recurrences; 0 for attention-only models).
+        piece_seconds: fixed cost of each document piece on a rank (per-piece kernel calls).
         kv_bytes_per_token: K and V bytes of one token over every attention layer (one way).
         intra_gbps, inter_gbps: link speed per rank inside a node and across nodes, GB/s.
         rectangle_factor, rectangle_min_queries: the kernel-aware cost of rectangle pairs.
@@ -85,6 +89,7 @@ class StepCosts:
     token_seconds: float = _LLAMA_1B[0] / (_DEFAULT_TFLOPS * 1e12)
     pair_seconds: float = _LLAMA_1B[1] / (_DEFAULT_TFLOPS * 1e12)
     carry_seconds: float = 0.0
+    piece_seconds: float = 0.0
     kv_bytes_per_token: float = _LLAMA_1B[3]
     intra_gbps: float = 400.0
     inter_gbps: float = 50.0
@@ -92,7 +97,7 @@ class StepCosts:
     rectangle_min_queries: int = RECTANGLE_MIN_QUERIES
 
     def __post_init__(self) -> None:
-        for name in ("token_seconds", "pair_seconds", "carry_seconds", "kv_bytes_per_token"):
+        for name in ("token_seconds", "pair_seconds", "carry_seconds", "piece_seconds", "kv_bytes_per_token"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
                 raise ValueError(f"StepCosts.{name} must be a finite number >= 0, got {value!r}")

@@ -84,7 +84,8 @@ class Projection:
 
 def row_seconds(row: np.ndarray, costs: StepCosts, window: int | None = None) -> float:
     """A row's work with every document whole (seconds)."""
-    return float(costs.token_seconds * row.sum() + costs.pair_seconds * pairs_before(row, window).sum())
+    return float(costs.token_seconds * row.sum() + costs.pair_seconds * pairs_before(row, window).sum()
+                 + costs.piece_seconds * row.size)
 
 
 def project(batch: list[np.ndarray], cp: int, options: PlanOptions) -> Projection:
