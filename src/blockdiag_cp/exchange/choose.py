@@ -52,14 +52,13 @@ def _unsupported_reason(name: str, setup: ExchangeSetup) -> Optional[str]:
 
 def _auto(setup: ExchangeSetup) -> tuple[KVExchange, str]:
     """The cheapest exact exchange: needed-only rows, over the fewest messages."""
-    transfer = setup.geometry.transfer_under(setup.window)
-    if not bool(transfer.any()):
+    if not setup.geometry.documents_cross_ranks(setup.window):
         return _build("a2a", setup), "auto: no document crosses a rank boundary; no communication"
-    if halo_unsupported_reason(setup) is None:
-        return _build("halo", setup), "auto: every rank's missing keys sit on its left neighbour (halo)"
     if setup.geometry.plan.layout == "grouped":
         return _build("p2p", setup), ("auto: grouped layout, each document on a few nearby ranks; point-to-point "
                                       "with the ranks that share one (no collective over the group)")
+    if halo_unsupported_reason(setup) is None:
+        return _build("halo", setup), "auto: every rank's missing keys sit on its left neighbour (halo)"
     return _build("a2a", setup), "auto: documents span several ranks; all-to-all-v of the needed rows"
 
 

@@ -66,11 +66,11 @@ class NeededOnlyExchange(BufferExchange):
 
     def __init__(self, setup: ExchangeSetup) -> None:
         geometry, rank, L, W = setup.geometry, setup.rank, setup.local_len, setup.world
-        transfer = geometry.transfer_under(setup.window)  # [dst, src]
+        recv_from, send_to = geometry.transfer_of(rank, setup.window)  # this rank's row and column of the transfer
         self.group = setup.group
-        self.send_splits = transfer[:, rank].tolist()
-        self.recv_splits = transfer[rank, :].tolist()
-        self.any_transfer = bool(transfer.any())
+        self.send_splits = send_to.tolist()
+        self.recv_splits = recv_from.tolist()
+        self.any_transfer = geometry.documents_cross_ranks(setup.window)  # the same on every rank
         # rows this rank sends, grouped by destination, ascending positions (local rows)
         needed_by_WL = geometry.need_at(geometry.plan.rank_positions(rank), setup.window)
         needed_by_WL[rank] = False

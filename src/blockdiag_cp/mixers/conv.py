@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from ..errors import ensure
 from ..parallel.routes import EntryRoute
 from ..plan.geometry import StepGeometry
+from ..plan.ranges import concat_ranges
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,10 @@ class ConvPlan:
               peers: bool = False) -> "ConvPlan":
         """`peers`: route the halo point-to-point (the grouped layout), else one all-gather."""
         W, L = geometry.world, geometry.plan.local_len_of(rank)
-        sends = [_rows_others_need(geometry, r, width) for r in range(W)]
+        reads = HaloReads.of(geometry, width)
+        sends = [reads.rows_of(r) for r in range(W)]
         counts = [s.numel() for s in sends]
-        route = (_peer_route(geometry, rank, group, width, sends) if peers and max(counts) else
+        route = (_peer_route(reads, rank, group, sends) if peers and max(counts) else
                  EntryRoute.gather(group, rank, counts))
         slot_of = _halo_slots(geometry, rank, sends, route, L)
         delivered = route.own + sum(route.recv_splits) if route.peers else W * route.pad
@@ -89,28 +91,47 @@ class ConvPlan:
         return y_TC.index_select(0, self.out_index)
 
 
-def _rows_others_need(geometry: StepGeometry, rank: int, width: int) -> torch.Tensor:
-    """Local rows of `rank` that another rank's windows of `width` read (ascending)."""
-    if width < 2:
-        return torch.zeros(0, dtype=torch.long)
-    needed_by = geometry.need_at(geometry.plan.rank_positions(rank), window=width)  # [W, L]
-    needed_by[rank] = False
-    return torch.nonzero(needed_by.any(dim=0)).flatten()
+@dataclass(frozen=True)
+class HaloReads:
+    """Every key a window of `width` reads on another rank: ``owner`` ``[n]`` holds it at local row
+    ``row``, and rank ``reader`` reads it (the ``width - 1`` positions of its document before each of
+    the reader's pieces that the reader does not own). Built from every rank's pieces: ``O(pieces x
+    width)``, never a ``[W, S]`` need matrix."""
+
+    owner: torch.Tensor
+    row: torch.Tensor
+    reader: torch.Tensor
+
+    @staticmethod
+    def of(geometry: StepGeometry, width: int) -> "HaloReads":
+        pieces, first_of_rank = geometry.every_rank_pieces
+        piece_rank = torch.repeat_interleave(torch.arange(geometry.world), torch.diff(first_of_rank))
+        first = torch.maximum(pieces.doc_start, pieces.global_start - max(width - 1, 0))
+        span = pieces.global_start - first
+        position = concat_ranges(first, span)
+        reader = torch.repeat_interleave(piece_rank, span)
+        owner = geometry.owner.index_select(0, position)
+        elsewhere = owner != reader
+        position, reader, owner = position[elsewhere], reader[elsewhere], owner[elsewhere]
+        return HaloReads(owner, geometry.local_index.index_select(0, position), reader)
+
+    def rows_of(self, rank: int) -> torch.Tensor:
+        """Local rows of `rank` another rank reads (ascending, once each)."""
+        return torch.unique(self.row[self.owner == rank])
+
+    def read_by(self, owner: int, reader: int) -> torch.Tensor:
+        """Local rows of `owner` that `reader` reads (ascending, once each)."""
+        return torch.unique(self.row[(self.owner == owner) & (self.reader == reader)])
 
 
-def _peer_route(geometry: StepGeometry, rank: int, group: Any, width: int, sends: list[torch.Tensor]) -> EntryRoute:
+def _peer_route(reads: HaloReads, rank: int, group: Any, sends: list[torch.Tensor]) -> EntryRoute:
     """The halo rows point-to-point: each rank's entries (`sends`) to the ranks whose windows read them."""
-    plan, W = geometry.plan, geometry.world
-    mine = geometry.need_at(plan.rank_positions(rank), window=width)  # [W, L]: dst reads my row
-    wanted_by = [torch.searchsorted(sends[rank], torch.nonzero(mine[d]).flatten()) if d != rank else
-                 torch.zeros(0, dtype=torch.long) for d in range(W)]
-    wanted_from = []
-    for src in range(W):
-        if src == rank or sends[src].numel() == 0:
-            wanted_from.append(torch.zeros(0, dtype=torch.long))
-            continue
-        reads = torch.nonzero(geometry.need_at(plan.rank_positions(src), window=width)[rank]).flatten()
-        wanted_from.append(torch.searchsorted(sends[src], reads))
+    W = len(sends)
+    readers = torch.unique(reads.reader[reads.owner == rank]).tolist()
+    owners = torch.unique(reads.owner[reads.reader == rank]).tolist()
+    empty = torch.zeros(0, dtype=torch.long)
+    wanted_by = [torch.searchsorted(sends[rank], reads.read_by(rank, d)) if d in readers else empty for d in range(W)]
+    wanted_from = [torch.searchsorted(sends[s], reads.read_by(s, rank)) if s in owners else empty for s in range(W)]
     return EntryRoute.between_peers(group, rank, [s.numel() for s in sends], wanted_from, wanted_by)
 
 

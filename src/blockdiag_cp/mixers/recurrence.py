@@ -195,16 +195,19 @@ def _peer_route(group: Any, rank: int, counts: list[int], pieces: list[Piece], b
                 slots: dict) -> EntryRoute:
     """The states point-to-point: each slot to the ranks holding a later piece of its document."""
     W = len(counts)
-    readers: dict[tuple[int, int], set[int]] = {}  # (rank, slot) -> ranks that read it
+    to: list[set[int]] = [set() for _ in range(W)]  # my slots each rank reads
+    from_: list[set[int]] = [set() for _ in range(W)]  # each rank's slots I read
     for runs in by_document.values():
         order = sorted(runs)
         for k, (_, r, i) in enumerate(order[:-1]):
-            readers[r, slots[r, i]] = {r2 for _, r2, _ in order[k + 1:] if r2 != r}
-    wanted_by = [torch.tensor(sorted(s for (r, s), who in readers.items() if r == rank and d in who), dtype=torch.long)
-                 for d in range(W)]
-    wanted_from = [torch.tensor(sorted(s for (r, s), who in readers.items() if r == src and rank in who),
-                                dtype=torch.long) for src in range(W)]
-    return EntryRoute.between_peers(group, rank, counts, wanted_from, wanted_by)
+            later = {r2 for _, r2, _ in order[k + 1:] if r2 != r}
+            if r == rank:
+                for reader in later:
+                    to[reader].add(slots[r, i])
+            elif rank in later:
+                from_[r].add(slots[r, i])
+    as_tensor = lambda s: torch.tensor(sorted(s), dtype=torch.long)  # noqa: E731
+    return EntryRoute.between_peers(group, rank, counts, [as_tensor(s) for s in from_], [as_tensor(s) for s in to])
 
 
 def _slots(pieces, like: torch.Tensor) -> torch.Tensor:
