@@ -225,3 +225,34 @@ def test_outside_a_step_a_packed_row_is_each_document_alone_and_values_arrive_un
         assert relative(logits, want) <= tolerance(name), name
         seen = {m.mla_seen for m in model.modules() if hasattr(m, "mla_seen")}
         assert seen == {(k_dim, k_dim, v_dim, v_dim)}, (name, seen)
+
+
+def test_the_compiled_drop_in_gives_the_values_head_dim():
+    """Under torch.compile the attention is one opaque op (Note [One opaque op]): its fake output takes the values'
+    head dim, so a compiled MLA call traces fullgraph and equals eager, forward and backward."""
+    import torch._dynamo
+
+    from blockdiag_cp import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 4, 20, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, 4, 20, 5, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def attend(q, k, v):
+        return cp_blockdiag_sdpa(q, k, v, sliding_window=6) * 1.0  # an op after it: the fake's shape is used
+
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    ids = torch.tensor([[1] * 7 + [2] * 9 + [3] * 4])
+    train_ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": ids, "_packed_seq_ids": ids})
+    results = []
+    for fn in (attend, compiled):
+        with train_ctx():
+            out = fn(q, k, v)
+            out.square().sum().backward()
+        results.append((out.detach(), *(t.grad.clone() for t in (q, k, v))))
+        for t in (q, k, v):
+            t.grad = None
+    assert results[1][0].shape == (1, 4, 20, 5)
+    for eager, traced in zip(*results):
+        assert (eager - traced).abs().max() < 1e-12
