@@ -89,7 +89,7 @@ def test_windowed_exchanges_move_only_the_window(world, layout, rank_pools):
 
 
 MLA_HEADS, MLA_KV_HEADS, MLA_DK, MLA_DV = 4, 2, 64, 32  # values narrower than queries and keys (MLA)
-MLA_RUNS = (("a2a", "contiguous", 1), ("halo", "contiguous", 1), ("ring", "balanced", 1), ("auto", "balanced", 2))
+MLA_RUNS = (("a2a", "contiguous", 1), ("ring", "balanced", 1), ("auto", "balanced", 2))
 
 
 def mla_meter_worker(rank, world, segments, runs):

@@ -227,6 +227,7 @@ def test_outside_a_step_a_packed_row_is_each_document_alone_and_values_arrive_un
         assert seen == {(k_dim, k_dim, v_dim, v_dim)}, (name, seen)
 
 
+@pytest.mark.slow
 def test_the_compiled_drop_in_gives_the_values_head_dim():
     """Under torch.compile the attention is one opaque op (Note [One opaque op]): its fake output takes the values'
     head dim, so a compiled MLA call traces fullgraph and equals eager, forward and backward."""
