@@ -163,8 +163,9 @@ def mla_cases(world: int) -> list[ParityCase]:
     for mode, exchange in (("reentrant", "a2a"), ("non_reentrant", "ring")):
         cases.append(ParityCase(SCENARIOS["straddle"], heads=8, kv_heads=2, v_head_dim=5, kv_exchange=exchange,
                                 kernel="sdpa", checkpoint=mode, seed=98))
-    degree, (h, hk) = (3, (6, 3)) if world == 3 else (2, (4, 2))
-    for exchange, extra in (("a2a", {}), ("ring", {"sinks": True}), ("allgather", {"window": 4}), ("auto", {})):
+    degree, h = (3, 6) if world == 3 else (2, 4)
+    for exchange, hk, extra in (("a2a", degree, {}), ("ring", degree, {"sinks": True}),
+                                ("allgather", degree, {"window": 4}), ("auto", 1, {})):  # 1 K/V head: repeated
         cases.append(ParityCase(SCENARIOS["mixed"], heads=h, kv_heads=hk, v_head_dim=5, kv_exchange=exchange,
                                 layout="balanced", ulysses_degree=degree, seed=97, **extra))
     return cases
