@@ -1,8 +1,8 @@
 """Multi-head latent attention (MLA) models under CP: values of another head dim than queries and keys.
 
 Tiny random float64 DeepSeek-V2, DeepSeek-V3 (with and without YaRN's ``mscale_all_dim``, which changes the
-softmax scale), a Kimi-K2-shaped DeepSeek-V3, MiniCPM3 and MiMo-V2-Flash (sliding windows, sinks, grouped K/V
-heads), on a packed row of documents [37, 1, 90, 5, 61] at cp 2 and 3, both layouts: logits, loss and every
+softmax scale), a Kimi-K2-shaped DeepSeek-V3, MiniCPM3, MiMo-V2-Flash (sliding windows, sinks, grouped K/V
+heads), Youtu, GLM-4-MoE-Lite and LongCat-Flash, on a packed row of documents [37, 1, 90, 5, 61] at cp 2 and 3, both layouts: logits, loss and every
 parameter gradient equal each document run alone (Note [Unequal head dims] in kernels/base.py).
 
 The reference attention is the float64 oracle on one document (`reference_attention`: causal, the layer's
@@ -26,7 +26,7 @@ REFERENCE = "mla_fp64_reference"
 RECORDING = "mla_recording_blockdiag_cp"
 #: relative to the model's scale. transformers runs MoE routers in float32 (a GEMM that rounds differently for
 #: other row counts: a shard, a document), so MoE families move by up to ~2e-8 (logits) and ~2e-9 (gradients)
-#: under CP, as a packed row outside a step does (2e-16 with the MoE layers made dense); MiniCPM3 (dense) is exact
+#: under CP, as a packed row outside a step does (2e-16 with the MoE layers made dense); dense MiniCPM3, Youtu exact
 TOL_MOE, TOL_DENSE = 1e-7, 1e-12
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 32,
@@ -47,6 +47,14 @@ FAMILIES = {
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_group=1, topk_group=1,
         rope_parameters=YARN | {"factor": 32.0, "rope_theta": 50000.0, "original_max_position_embeddings": 40}), 24, 16),
     "minicpm3": ("MiniCPM3Config", COMMON | LATENT, 24, 12),
+    "youtu": ("YoutuConfig", COMMON | LATENT | dict(bos_token_id=0, eos_token_id=1), 24, 12),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", COMMON | LATENT | MOE | dict(n_group=1, topk_group=1, first_k_dense_replace=None,
+                                                                         mlp_layer_types=["dense", "sparse"]), 24, 12),
+    # two attention sublayers per layer, "zero" (identity) experts beside the routed ones
+    "longcat_flash": ("LongcatFlashConfig", dict(
+        vocab_size=VOCAB, hidden_size=32, num_layers=1, num_attention_heads=4, num_key_value_heads=4, ffn_hidden_size=48,
+        max_position_embeddings=1280, head_dim=8, n_routed_experts=4, moe_topk=2, zero_expert_num=2,
+        expert_ffn_hidden_size=16) | LATENT, 24, 12),
     # alternating full and sliding-window layers (window 6 < most documents), sinks and doubled K/V heads on the
     # sliding ones, values scaled; grouped K/V heads 4:2 (4:4 on the sliding layer)
     "mimo_v2_flash": ("MiMoV2FlashConfig", COMMON | dict(
@@ -170,7 +178,7 @@ def mla_worker(rank, world, names, layouts, checkpointing=None):
 
 
 def tolerance(name):
-    return TOL_DENSE if name == "minicpm3" else TOL_MOE
+    return TOL_DENSE if name in ("minicpm3", "youtu") else TOL_MOE
 
 
 def assert_close(per_rank, expected_keys):
