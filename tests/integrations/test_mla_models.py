@@ -2,8 +2,9 @@
 
 Tiny random float64 DeepSeek-V2, DeepSeek-V3 (with and without YaRN's ``mscale_all_dim``, which changes the
 softmax scale), a Kimi-K2-shaped DeepSeek-V3, MiniCPM3, MiMo-V2-Flash (sliding windows, sinks, grouped K/V
-heads), Youtu, GLM-4-MoE-Lite and LongCat-Flash, on a packed row of documents [37, 1, 90, 5, 61] at cp 2 and 3, both layouts: logits, loss and every
-parameter gradient equal each document run alone (Note [Unequal head dims] in kernels/base.py).
+heads), Youtu, GLM-4-MoE-Lite and LongCat-Flash, on a packed row of documents [37, 1, 90, 5, 61] at cp 2 and 3,
+both layouts: logits, loss and every parameter gradient equal each document run alone (Note [Unequal head dims]
+in kernels/base.py).
 
 The reference attention is the float64 oracle on one document (`reference_attention`: causal, the layer's
 window, sinks and scale), itself checked against the models' own ``sdpa`` / ``eager`` attention.
