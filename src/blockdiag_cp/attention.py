@@ -38,7 +38,8 @@ def cp_blockdiag_sdpa(
 
     Args:
         query: ``[1, H, L, D]`` local queries (``L`` = this rank's shard length).
-        key, value: ``[1, Hk, L, D]`` local keys/values; ``H % Hk == 0``.
+        key, value: ``[1, Hk, L, D]`` local keys and ``[1, Hk, L, Dv]`` values; ``H % Hk == 0``.
+            ``Dv`` may differ from ``D`` (multi-head latent attention, as SDPA allows).
         attn_mask, is_causal: used only outside a step; inside, the mask comes from
             the document ids (causal within each document, nothing across).
         dropout_p: attention dropout probability (routed to a kernel supporting it).
@@ -57,7 +58,7 @@ def cp_blockdiag_sdpa(
     The three layer features exist inside a step only (stock SDPA has none).
 
     Returns:
-        ``[1, H, L, D]``, dtype of `query`. Padding rows are zeros.
+        ``[1, H, L, Dv]``, dtype of `query`. Padding rows are zeros.
     """
     if kwargs:
         warnings.warn(

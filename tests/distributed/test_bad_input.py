@@ -65,6 +65,12 @@ def test_sdpa_inside_a_step_checks_shapes():
         with pytest.raises(ValueError, match="multiple"):
             cp_blockdiag_sdpa(q, k, v, enable_gqa=True)
         assert cp_blockdiag_sdpa(*qkv(8, H=4, Hk=2), enable_gqa=True).shape == (1, 4, 8, 8)
+        q, k, _ = qkv(8, H=4, Hk=2)
+        with pytest.raises(ValueError, match="same batch, heads and length"):  # values of other heads than keys
+            cp_blockdiag_sdpa(q, k, torch.randn(1, 4, 8, 5), enable_gqa=True)
+        with pytest.raises(ValueError, match="query head_dim 8 != key head_dim 5"):
+            cp_blockdiag_sdpa(q, torch.randn(1, 2, 8, 5), torch.randn(1, 2, 8, 5), enable_gqa=True)
+        assert cp_blockdiag_sdpa(q, k, torch.randn(1, 2, 8, 5), enable_gqa=True).shape == (1, 4, 8, 5)  # MLA
 
 
 def test_dropout_needs_a_kernel_that_has_it():

@@ -4,12 +4,13 @@ One rank-pool run per world computes the whole matrix (scenario x exchange x ker
 activation checkpointing); each test then asserts one exchange's slice of it.
 """
 
+import itertools
 
 import pytest
 
 from blockdiag_cp.plan import plan_shards
 from blockdiag_cp.testing import ParityCase, parity_worker, spawn
-from scenarios import EXCHANGES, matrix_cases
+from scenarios import EXCHANGES, KERNELS, LAYOUTS, SCENARIOS, matrix_cases
 
 TOL = 1e-10
 
@@ -145,3 +146,55 @@ def test_windows_softcap_and_sinks_match_the_oracle():
         assert not bad, bad
         windowed_ring = [r for r in results if r.case.kv_exchange == "ring" and r.case.window is not None]
         assert windowed_ring and all(r.exchange == "a2a" for r in windowed_ring)  # ring serves windows via a2a
+
+
+def mla_cases(world: int) -> list[ParityCase]:
+    """Multi-head latent attention (values of another head dim than queries and keys: 5 or 12 against 8) on
+    every exchange x CPU kernel x layout, with GQA 8:2, 4:4 and 4:1, windows, softcap with sinks, rows that
+    straddle, span every rank or leave ranks of only padding; activation checkpointing; head parallelism."""
+    rows = [SCENARIOS[n] for n in ("straddle", "one_doc_all_ranks", "padding_ranks", "tiny_docs", "mixed")]
+    features = [{}, {"window": 4}, {"softcap": 5.0, "sinks": True}]
+    heads = [(8, 2), (4, 4), (4, 1)]
+    cases = []
+    for i, (exchange, kernel, layout) in enumerate(itertools.product(EXCHANGES, KERNELS, LAYOUTS)):
+        h, hk = heads[(i // 2) % 3]
+        cases.append(ParityCase(rows[i % 5], heads=h, kv_heads=hk, v_head_dim=(5, 12)[(i + i // 4) % 2],
+                                kv_exchange=exchange, kernel=kernel, layout=layout, seed=i, **features[i % 3]))
+    for mode, exchange in (("reentrant", "a2a"), ("non_reentrant", "ring")):
+        cases.append(ParityCase(SCENARIOS["straddle"], heads=8, kv_heads=2, v_head_dim=5, kv_exchange=exchange,
+                                kernel="sdpa", checkpoint=mode, seed=98))
+    degree, h = (3, 6) if world == 3 else (2, 4)
+    for exchange, hk, extra in (("a2a", degree, {}), ("ring", degree, {"sinks": True}),
+                                ("allgather", degree, {"window": 4}), ("auto", 1, {})):  # 1 K/V head: repeated
+        cases.append(ParityCase(SCENARIOS["mixed"], heads=h, kv_heads=hk, v_head_dim=5, kv_exchange=exchange,
+                                layout="balanced", ulysses_degree=degree, seed=97, **extra))
+    return cases
+
+
+#: a few of them on the fast loop (world 2)
+MLA_FAST = [ParityCase(SCENARIOS["straddle"], heads=8, kv_heads=2, v_head_dim=5, kv_exchange="a2a"),
+            ParityCase(SCENARIOS["mixed"], heads=4, kv_heads=4, v_head_dim=12, kv_exchange="ring", sinks=True),
+            ParityCase(SCENARIOS["straddle"], heads=4, kv_heads=1, v_head_dim=5, kv_exchange="allgather",
+                       kernel="dense", layout="balanced", window=4),
+            ParityCase(SCENARIOS["one_doc_all_ranks"], heads=4, kv_heads=2, v_head_dim=5, kv_exchange="halo",
+                       checkpoint="non_reentrant"),
+            ParityCase(SCENARIOS["mixed"], heads=4, kv_heads=2, v_head_dim=5, ulysses_degree=2, layout="balanced")]
+
+
+def assert_mla_exact(per_rank, cases):
+    for results in per_rank:
+        assert [r.case for r in results] == cases
+        bad = [(r.case, r.exchange, r.out_err, r.grad_err) for r in results if not (r.out_err < TOL and r.grad_err < TOL)]
+        assert not bad, bad
+        assert all(r.output.shape[-1] == r.case.value_dim for r in results)
+
+
+def test_mla_value_head_dim_is_exact_on_the_fast_loop(rank_pools):
+    assert_mla_exact(rank_pools(2).run(parity_worker, MLA_FAST), MLA_FAST)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_mla_value_head_dim_matches_the_oracle_everywhere(world, rank_pools):
+    cases = mla_cases(world)
+    assert_mla_exact(rank_pools(world).run(parity_worker, cases), cases)

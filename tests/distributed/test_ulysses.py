@@ -260,6 +260,34 @@ def test_cost_model_predicts_the_planned_bytes_exactly():
                     assert float(work.sum()) == float(attention_work(make_plan(ids, 1, layout), ids).sum())
 
 
+def test_cost_model_counts_mla_keys_and_values_at_their_own_head_dims():
+    """Values narrower than queries and keys (MLA, Dk 48 / Dv 32): `scheme_cost` equals the step state's
+    `bytes_per_layer` for every exchange and degree; both byte terms scale with Dk + Dv (so what
+    ``ulysses_degree="auto"`` picks, planned at one element a head dim, does not change); the predicted time
+    counts q k^T at Dk and p v at Dv."""
+    import warnings
+
+    from blockdiag_cp.plan import make_plan
+    from blockdiag_cp.plan.cost import scheme_cost
+    from blockdiag_cp.step.state import build_step_state
+
+    Dk, Dv, world, ids = 48, 32, 4, doc_ids_from_lengths(ROW)
+    for exchange in ("a2a", "ring"):
+        for degree, layout in ((1, "balanced"), (2, "contiguous")):
+            plan = make_plan(ids, world, layout)
+            cost = scheme_cost(plan, ids, degree, (12, 2), Dk, 4, exchange, v_head_dim=Dv)
+            unit = scheme_cost(plan, ids, degree, (12, 2), exchange=exchange)  # what "auto" compares: Dk + Dv = 2
+            assert torch.equal(cost.sent, unit.sent * (Dk + Dv) / 2 * 4)
+            config = CPConfig(layout=layout, ulysses_degree=degree, kv_exchange=exchange)
+            for rank in range(world):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    state = build_step_state(ids, world, rank, None, config, torch.device("cpu"))
+                assert state.bytes_per_layer(12, 2, Dk, torch.float32, v_head_dim=Dv).sent == cost.sent[rank]
+            seconds = cost.seconds(1.0, 1.0, Dk, 1.0, v_head_dim=Dv) - cost.sent / 1e9
+            assert torch.allclose(seconds, 7.0 * cost.work * (Dk + Dv) / 1e12, rtol=1e-12, atol=0)
+
+
 def test_auto_degree_picks_the_cheapest_scheme_in_bytes():
     from blockdiag_cp.plan.cost import choose_ulysses_degree
 

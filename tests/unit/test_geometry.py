@@ -58,7 +58,7 @@ class _LoopbackA2A:
 
     @staticmethod
     def build(geometry, rank, k_SHD, v_SHD):
-        from blockdiag_cp.exchange.base import ExchangeSetup
+        from blockdiag_cp.exchange.base import ExchangeSetup, fuse_rows
         from blockdiag_cp.exchange.needed import AllToAllExchange
         from blockdiag_cp.kernels import SdpaKernel
 
@@ -68,15 +68,16 @@ class _LoopbackA2A:
 
         class Loopback(AllToAllExchange):
             def transport(self, rows_TX, send_splits, recv_splits):
-                return torch.stack([k_SHD[rows], v_SHD[rows]], dim=1)
+                return fuse_rows(k_SHD[rows], v_SHD[rows])
 
         return Loopback(ExchangeSetup(geometry, rank, None, (SdpaKernel(),), torch.device("cpu")))
 
 
+@pytest.mark.parametrize("v_dim", [4, 3])  # values as wide as keys, or narrower (MLA: Note [Fused K/V rows])
 @pytest.mark.parametrize("layout", ["contiguous", "balanced"])
 @pytest.mark.parametrize("segments", [(40,), (9, 30, 1), tuple([3, 5, 2, 7] * 6), (60, 2, 3, 4, 5, 6, 7, 8, 9),
                                       (27, 5, 7, 27)])  # the last: balanced rank 0 has > 8 runs (slots)
-def test_needed_only_buffer_holds_every_needed_row_head_major(layout, segments):
+def test_needed_only_buffer_holds_every_needed_row_head_major(layout, segments, v_dim):
     """Note [Head-major key buffer]: the buffer is K/V at the needed positions, in order, each head's
     rows contiguous (one strided copy per run, or per slot), local and received rows alike."""
     from blockdiag_cp.plan import make_plan
@@ -86,7 +87,7 @@ def test_needed_only_buffer_holds_every_needed_row_head_major(layout, segments):
     plan = make_plan(ids, world, layout)
     geometry = StepGeometry.build(plan, ids)
     S = plan.positions_WL.numel()
-    k_SHD, v_SHD = torch.randn(S, 2, 4, dtype=torch.float64), torch.randn(S, 2, 4, dtype=torch.float64)
+    k_SHD, v_SHD = torch.randn(S, 2, 4, dtype=torch.float64), torch.randn(S, 2, v_dim, dtype=torch.float64)
     for rank in range(world):
         exchange = _LoopbackA2A.build(geometry, rank, k_SHD, v_SHD)
         mine = plan.positions_WL[rank]

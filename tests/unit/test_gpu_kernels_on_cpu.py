@@ -42,6 +42,8 @@ def fake_flash(monkeypatch):
     module = types.ModuleType("flash_attn")
 
     def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False):
+        if not q.shape[-1] == k.shape[-1] == v.shape[-1]:  # flash-attn 2's check
+            raise RuntimeError("v must have shape (total_k, num_heads_k, head_size_og)")
         calls.append(dict(cu_q=cu_q.tolist(), cu_k=cu_k.tolist(), max_q=max_q, max_k=max_k, causal=causal,
                           dtype=(cu_q.dtype, cu_k.dtype), q_shape=tuple(q.shape), k_shape=tuple(k.shape)))
         return run_segments(q, k, v, cu_q, cu_k, causal, softmax_scale)
@@ -83,10 +85,12 @@ def rank_items(segments, world, rank, layout="contiguous"):
     return items_over_buffer(pieces, geometry.needed_positions(rank), geometry.plan.local_len), pieces
 
 
-def tensors(items, H=4, Hk=2, D=8):
+def tensors(items, H=4, Hk=2, D=8, Dv=None):
+    """q ``[H, L, D]``, k ``[Hk, N, D]``, v ``[Hk, N, Dv]`` (Dv None: D)."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(H, items.num_q_rows, D, generator=g, dtype=torch.float64, requires_grad=True)
-    k, v = (torch.randn(Hk, items.num_k_rows, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    k, v = (torch.randn(Hk, items.num_k_rows, d, generator=g, dtype=torch.float64, requires_grad=True)
+            for d in (D, D if Dv is None else Dv))
     return q, k, v
 
 
@@ -124,6 +128,29 @@ def test_flash_receives_bottom_right_segments_and_matches_dense(fake_flash, name
     assert call["cu_k"] == [0] + torch.cumsum(torch.tensor(k_lens), 0).tolist()
     assert call["max_q"] == max(q_lens) and call["max_k"] == max(k_lens)
     assert call["q_shape"] == (sum(q_lens), 4, 8) and call["k_shape"] == (sum(k_lens), 2, 8)
+
+
+@pytest.mark.parametrize("kernel_name", ["flash", "te"])
+@pytest.mark.parametrize("v_dim", [5, 12])
+def test_varlen_kernels_pad_another_value_head_dim_and_match_dense(fake_flash, fake_te, kernel_name, v_dim):
+    """Note [Unequal head dims]: flash-attn 2 (and TE) get one head dim, max(Dk, Dv), the narrower side zero-padded;
+    the output is cut back to Dv and equals dense attention, forward and backward."""
+    segments, (world, rank) = SCENARIOS["straddling"]
+    items, _ = rank_items(segments, world, rank)
+    kernel = FlashKernel() if kernel_name == "flash" else TEKernel()
+    plan = kernel.prepare(items, CPU)
+    q, k, v = tensors(items, Dv=v_dim)
+    out = kernel.attend(plan, q, k, v, CallOptions(0.35))
+    ref = dense_reference(items, q, k, v)
+    assert out.shape == (4, items.num_q_rows, v_dim) and (out - ref).abs().max() < 1e-12
+    upstream = torch.randn_like(ref)
+    for got, want in zip(torch.autograd.grad((out * upstream).sum(), (q, k, v)),
+                         torch.autograd.grad((ref * upstream).sum(), (q, k, v))):
+        assert got.shape == want.shape and (got - want).abs().max() < 1e-12
+    if kernel_name == "flash":
+        assert fake_flash and all(c["q_shape"][-1] == c["k_shape"][-1] == max(8, v_dim) for c in fake_flash)
+    else:
+        assert fake_te[0]["init"] == (4, max(8, v_dim), 2, "thd")
 
 
 def test_straddling_piece_sees_its_document_from_its_start(fake_flash):
@@ -204,6 +231,21 @@ def test_flex_forward_on_cpu_matches_dense(name, softcap):
     assert (out - ref).abs().max() < 1e-5
     if softcap is not None:
         assert (uncapped - ref).abs().max() > 1e-2  # the cap changes the result: the test can see it dropped
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
+def test_flex_forward_on_cpu_takes_another_value_head_dim():
+    """FlexAttention sizes the value dim apart (no padding): ``[H, L, Dv]`` equal to dense attention."""
+    segments, (world, rank) = SCENARIOS["straddling"]
+    items, _ = rank_items(segments, world, rank)
+    kernel = FlexKernel()
+    q, k, v = (t.detach().float() for t in tensors(items, Dv=4))
+    with torch.no_grad():
+        out = kernel.attend(kernel.prepare(items, CPU), q, k, v, CallOptions(0.35))
+        assert out.shape == (4, items.num_q_rows, 4)
+        assert (out - dense_reference(items, q, k, v)).abs().max() < 1e-5
+        no_keys = kernel.attend(None, q, k[:, :0], v[:, :0], CallOptions(0.35))  # an empty buffer: no kernel call
+        assert no_keys.shape == (4, items.num_q_rows, 4) and not no_keys.any()
 
 
 def test_flex_refuses_float64():

@@ -25,15 +25,16 @@ def random_items(seed, L=40, N=60, window=None):
     return ItemTable(t(q_start), t(q_len), t(k_start), t(k_len), torch.tensor(causal), L, N, window)
 
 
-def direct(items, q, k, v, scale):
-    """Row by row: softmax over the row's visible keys."""
+def direct(items, q, k, v, scale, softcap=None):
+    """Row by row: softmax over the row's visible keys (scores capped at ``softcap * tanh(s / softcap)``)."""
     lo, hi = items.row_key_ranges()
     groups = q.shape[0] // k.shape[0]
     k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
-    out = torch.zeros_like(q)
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # [H, L, Dv]
     for r in range(q.shape[1]):
         if hi[r] > lo[r]:
             s = (q[:, r : r + 1] @ k[:, lo[r] : hi[r]].transpose(-1, -2)) * scale
+            s = s if softcap is None else softcap * torch.tanh(s / softcap)
             out[:, r] = (torch.softmax(s, -1) @ v[:, lo[r] : hi[r]])[:, 0]
     return out
 
@@ -56,6 +57,38 @@ def test_kernel_matches_direct_softmax_forward_and_backward(kernel, seed, heads,
     assert (out - ref).abs().max() < 1e-12
     for got, want in zip(grads, ref_grads):
         assert (got - want).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("kernel", [DenseKernel(), SdpaKernel()], ids=["dense", "sdpa"])
+@pytest.mark.parametrize("v_dim", [5, 12])  # narrower (MLA) and wider values than the 8-wide queries and keys
+@pytest.mark.parametrize("window, softcap, seed", [(None, None, 0), (3, None, 1), (None, 2.0, 2), (1, None, 3)])
+def test_kernel_with_another_value_head_dim_matches_direct_softmax(kernel, v_dim, window, softcap, seed):
+    """Note [Unequal head dims]: ``v [Hk, N, Dv]`` with ``Dv != Dk``: output ``[H, L, Dv]``, gradients dq and dk
+    at ``Dk``, dv at ``Dv`` (the sdpa kernel's fused calls run zero-padded; softcap runs plain math unpadded)."""
+    items = random_items(seed, window=window)
+    g = torch.Generator().manual_seed(200 + seed)
+    q = torch.randn(4, 40, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 60, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 60, v_dim, generator=g, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(4, 40, v_dim, generator=g, dtype=torch.float64)
+    ref = direct(items, q, k, v, 0.3, softcap)
+    out = ItemAttention.apply(q, k, v, kernel, kernel.prepare(items, torch.device("cpu")), CallOptions(0.3, 0.0, softcap))
+    assert out.shape == (4, 40, v_dim) and (out - ref).abs().max() < 1e-12
+    grads = torch.autograd.grad((out * upstream).sum(), (q, k, v))
+    assert [tuple(t.shape) for t in grads] == [(4, 40, 8), (2, 60, 8), (2, 60, v_dim)]
+    for got, want in zip(grads, torch.autograd.grad((ref * upstream).sum(), (q, k, v))):
+        assert (got - want).abs().max() < 1e-12
+
+
+def test_torchs_cpu_fused_op_still_wants_one_head_dim():
+    """Why the sdpa kernel pads (Note [Unequal head dims]): torch's CPU flash op refuses values of another
+    width. If a torch release accepts them, `CpuFusedOps.equal_head_dims` can become False (no padding)."""
+    from blockdiag_cp.kernels.fused_ops import CpuFusedOps, MathOps
+
+    assert CpuFusedOps.equal_head_dims and not MathOps.equal_head_dims
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 4)
+    with pytest.raises(RuntimeError, match="same head size"):
+        CpuFusedOps().fwd(q, k, v, True, 0.3)
 
 
 def test_rows_without_items_are_zero_with_minus_inf_lse():

@@ -1,7 +1,7 @@
 """`allgather`: every rank gathers every rank's K/V (the seed's exchange), fused [K;V].
 
-One all-gather of ``[L, 2, Hk, D]`` rows forward, one reduce-scatter backward. The
-key buffer is then the needed part of the gathered rows: a view when the layout is
+One all-gather of ``[L, Hk, Dk + Dv]`` rows (Note [Fused K/V rows]) forward, one reduce-scatter
+backward. The key buffer is then the needed part of the gathered rows: a view when the layout is
 contiguous, an index otherwise. Under a plan whose ranks own different numbers of rows
 (grouped), every rank's rows are padded to the longest shard for the collective.
 """
@@ -48,15 +48,16 @@ class AllGatherExchange(BufferExchange):
             rows = torch.cat([rows, rows.new_zeros((self._block - rows.shape[0], *rows.shape[1:]))])
         gathered = all_gather_rows(rows, self.group)
         if self._slice is not None:
-            return unfuse_rows(gathered.narrow(0, *self._slice))
-        return unfuse_rows(gathered.index_select(0, self._index))
+            return unfuse_rows(gathered.narrow(0, *self._slice), k_LHD.shape[-1])
+        return unfuse_rows(gathered.index_select(0, self._index), k_LHD.shape[-1])
 
     def scatter_grads(self, dk_NHD: torch.Tensor, dv_NHD: torch.Tensor, in_grad_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         ensure(not in_grad_rows, "this exchange keeps no key gradient rows of its own")
-        d_gathered = dk_NHD.new_zeros((self._world * self._block, 2, *dk_NHD.shape[1:]))
-        for d_half, d_rows in zip(unfuse_rows(d_gathered), (dk_NHD, dv_NHD)):
+        Hk, Dk, Dv = *dk_NHD.shape[1:], dv_NHD.shape[-1]
+        d_gathered = dk_NHD.new_zeros((self._world * self._block, Hk, Dk + Dv))
+        for d_half, d_rows in zip(unfuse_rows(d_gathered, Dk), (dk_NHD, dv_NHD)):
             if self._slice is not None:
                 d_half.narrow(0, *self._slice).copy_(d_rows)
             else:
                 d_half.index_add_(0, self._index, d_rows)
-        return unfuse_rows(reduce_scatter_rows(d_gathered, self.group)[: self.local_len])
+        return unfuse_rows(reduce_scatter_rows(d_gathered, self.group)[: self.local_len], Dk)

@@ -11,10 +11,10 @@ needs. Rank r then:
     buffer   local rows and received rows each copied once into their slots
              (ascending positions), head-major (Note [Head-major key buffer])
 
-K and V are fused ``[rows, 2, Hk, D]`` only for the sent rows (one collective); the
-buffers are filled from the layer's token-major K and V directly. Backward reverses
-it: the received rows' gradients go back to their owners and are added to the
-owners' local gradients. Only the transport differs:
+K and V are fused ``[rows, Hk, Dk + Dv]`` only for the sent rows (one collective, Note
+[Fused K/V rows] in base.py); the buffers are filled from the layer's token-major K and V
+directly. Backward reverses it: the received rows' gradients go back to their owners and
+are added to the owners' local gradients. Only the transport differs:
 
     a2a    one all-to-all-v over the group (documents spanning any number of ranks)
     p2p    batched point-to-point with exactly the ranks that share a document with
@@ -99,7 +99,8 @@ class NeededOnlyExchange(BufferExchange):
         received_k, received_v = k_LHD[:0], v_LHD[:0]
         if self.any_transfer:
             sent = fuse_rows(k_LHD.index_select(0, self.send_rows), v_LHD.index_select(0, self.send_rows))
-            received_k, received_v = unfuse_rows(self.transport(sent, self.send_splits, self.recv_splits))
+            received = self.transport(sent, self.send_splits, self.recv_splits)
+            received_k, received_v = unfuse_rows(received, k_LHD.shape[-1])
         return self._assemble(k_LHD, received_k), self._assemble(v_LHD, received_v)
 
     def _assemble(self, local_LHD: torch.Tensor, received_RHD: torch.Tensor) -> torch.Tensor:
@@ -138,7 +139,7 @@ class NeededOnlyExchange(BufferExchange):
             d_received = tuple(d.index_select(0, slots.received) for d in (dk_NHD, dv_NHD))
         if self.any_transfer:  # every rank runs the reverse collective, also one that only sent
             returned = self.transport(fuse_rows(*d_received), self.recv_splits, self.send_splits)
-            for d, d_returned in zip(d_local, unfuse_rows(returned)):
+            for d, d_returned in zip(d_local, unfuse_rows(returned, dk_NHD.shape[-1])):
                 d.index_add_(0, self.send_rows, d_returned)
         return d_local[0], d_local[1]
 

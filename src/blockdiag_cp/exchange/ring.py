@@ -123,19 +123,19 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_HLD, k_HLD, v_HLD, sinks_H, ring: RingExchange, kernel: AttentionKernel, options: CallOptions):
         """The sinks join after every hop is merged."""
-        block = fuse_rows(*token_major(k_HLD, v_HLD))
+        block = fuse_rows(*token_major(k_HLD, v_HLD))  # [L, Hk, Dk + Dv] (Note [Fused K/V rows])
         if kernel.keeps_inputs:  # every hop's calls slice one head-major q (no copy per hop)
             q_HLD = q_HLD.contiguous()
-        H, L, D = q_HLD.shape
+        (H, L, Dk), Dv = q_HLD.shape, v_HLD.shape[-1]
         acc = accumulate_dtype(q_HLD.dtype)
-        o = torch.zeros(H, L, D, dtype=acc, device=q_HLD.device)
+        o = torch.zeros(H, L, Dv, dtype=acc, device=q_HLD.device)
         lse = torch.full((H, L), float("-inf"), dtype=acc, device=q_HLD.device)
         auxes = []
         for t, hop in enumerate(ring.hops):
             pending = ring.circulate(t, block)
             aux = None
             if hop.items.size:
-                k, v = token_major(*unfuse_rows(block))
+                k, v = token_major(*unfuse_rows(block, Dk))
                 o_t, lse_t, aux = kernel.forward(hop.kernel_calls[kernel.name], q_HLD, k, v, options)
                 o, lse = merge_partial(o, lse, o_t, lse_t)
             auxes.append(aux)
@@ -150,7 +150,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do_HLD):
         (q,), (k_own, v_own, o, lse, sinks_H), auxes = saved_for_backward(ctx)
-        ring, kernel = ctx.ring, ctx.kernel
+        ring, kernel, Dk = ctx.ring, ctx.kernel, k_own.shape[-1]
         acc = accumulate_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         block = fuse_rows(*token_major(k_own, v_own))
@@ -159,7 +159,7 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.circulate(t, block)
             d_block = None
             if hop.items.size:
-                k, v = token_major(*unfuse_rows(block))
+                k, v = token_major(*unfuse_rows(block, Dk))
                 dq_t, dk_t, dv_t = kernel.backward(
                     hop.kernel_calls[kernel.name], do_HLD, q, k, v, o, lse, auxes[t], ctx.options
                 )
@@ -167,7 +167,7 @@ class _RingAttention(torch.autograd.Function):
                 d_block = fuse_rows(*token_major(dk_t, dv_t))
             _return_block_grads(ring, t, hop, d_block, d_own)
             block = ring.next_block(pending, block)
-        dk, dv = token_major(*unfuse_rows(d_own))
+        dk, dv = token_major(*unfuse_rows(d_own, Dk))
         d_sinks = None if sinks_H is None else sinks_grad(do_HLD, o, lse, sinks_H).to(sinks_H.dtype)
         return dq.to(q.dtype), dk.to(k_own.dtype), dv.to(v_own.dtype), d_sinks, None, None, None
 

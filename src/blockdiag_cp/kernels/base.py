@@ -36,6 +36,21 @@ Every query row belongs to at most one item of a table. A kernel returns the out
 ``o`` and the log-sum-exp ``lse`` of each row (0 and -inf for rows in no item), so
 partial results over different key sets merge exactly; its backward takes the final
 (merged) ``o`` and ``lse``.
+
+Note [Unequal head dims]
+------------------------
+Values may be narrower or wider than queries and keys (``Dv != Dk``: multi-head latent
+attention, MLA, e.g. DeepSeek-V3's ``Dk = 192``, ``Dv = 128``); the output has ``Dv``
+columns. `dense`, `flex` and plain tensor math take that as it is. Fused kernels that want
+one head dim (torch's CPU flash kernel: "Q/K/V should have the same head size"; flash-attn 2;
+TransformerEngine's backends vary) run at ``max(Dk, Dv)`` with the narrower side zero-padded
+(`pad_last`), as transformers pads values for flash-attention: a zero value column gives a
+zero output column (sliced off), zero query and key columns add exact zeros to every score,
+and the scale is always passed explicitly, so the result and the log-sum-exp are those of
+the unpadded attention, bit for bit up to the kernel's summation order; gradients of the
+pad columns are dropped. Padding costs the fused kernel ``2 max(Dk, Dv) / (Dk + Dv)`` of
+the arithmetic (1.2x for 192/128); nothing is padded on the wire (Note [Fused K/V rows] in
+exchange/base.py).
 """
 
 from __future__ import annotations
@@ -141,8 +156,9 @@ class CallOptions:
 class AttentionKernel(ABC):
     """A local attention kernel over an `ItemTable`.
 
-    Tensors are one sequence's heads: ``q [H, L, D]``, ``k``/``v`` ``[Hk, N, D]``
-    with ``H % Hk == 0`` (grouped-query attention). `prepare` runs once per step and
+    Tensors are one sequence's heads: ``q [H, L, Dk]``, ``k [Hk, N, Dk]``, ``v [Hk, N, Dv]``
+    with ``H % Hk == 0`` (grouped-query attention) and the output ``[H, L, Dv]`` (``Dv`` may
+    differ from ``Dk``: Note [Unequal head dims]). `prepare` runs once per step and
     returns the kernel's *call table*: whatever its calls need (index tensors, varlen
     ``cu_seqlens``, a block mask), so a layer call does no host work.
     """
@@ -181,7 +197,7 @@ class AttentionKernel(ABC):
 
     @abstractmethod
     def attend(self, calls: Any, q_HLD, k_HND, v_HND, options: CallOptions) -> torch.Tensor:
-        """Differentiable ``o [H, L, D]`` over the call table's items; rows in no item are 0."""
+        """Differentiable ``o [H, L, Dv]`` over the call table's items; rows in no item are 0."""
 
 
 class LseKernel(AttentionKernel):
@@ -198,7 +214,7 @@ class LseKernel(AttentionKernel):
     def forward(
         self, calls: Any, q_HLD: torch.Tensor, k_HND: torch.Tensor, v_HND: torch.Tensor, options: CallOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """Return ``(o [H, L, D], lse [H, L] float, aux)``; rows in no item: 0 and -inf.
+        """Return ``(o [H, L, Dv], lse [H, L] float, aux)``; rows in no item: 0 and -inf.
 
         ``aux`` is what `backward` needs besides the saved tensors: tensors or None, in
         nested lists/tuples (it is saved with ``ctx.save_for_backward``)."""
@@ -280,6 +296,20 @@ def fold_heads(t: torch.Tensor, groups: int, dim: int) -> torch.Tensor:
     shape = list(t.shape)
     shape[dim : dim + 1] = [shape[dim] // groups, groups]
     return t.reshape(shape).sum(dim=dim + 1)
+
+
+def pad_last(t: torch.Tensor, width: Optional[int]) -> torch.Tensor:
+    """`t` with its last dimension zero-padded to `width` (a new contiguous tensor; `t` itself when
+    `width` is None or already its size). Note [Unequal head dims]."""
+    if width is None or t.shape[-1] == width:
+        return t
+    return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+
+
+def padded_width(k_dim: int, v_dim: int) -> Optional[int]:
+    """The one head dim a kernel that wants equal widths runs at: ``max(Dk, Dv)`` (None when equal).
+    Note [Unequal head dims]."""
+    return None if k_dim == v_dim else max(k_dim, v_dim)
 
 
 def merge_partial(

@@ -1,8 +1,10 @@
 """`flash`: flash-attn's varlen kernel, one packed call per alignment (GPU, fp16/bf16).
 
 ``flash_attn_varlen_func(..., causal=True)`` aligns causal masks bottom-right (flash-attn
->= 2.1), exactly what a piece whose document began on an earlier rank needs. The
-import is lazy: a CPU install never needs flash-attn.
+>= 2.1), exactly what a piece whose document began on an earlier rank needs. flash-attn 2
+wants one head dim for q, k and v: values of another width (MLA) arrive zero-padded
+(`packed_attention`, Note [Unequal head dims] in base.py). The import is lazy: a CPU
+install never needs flash-attn.
 """
 
 from __future__ import annotations

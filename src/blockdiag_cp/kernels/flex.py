@@ -1,7 +1,9 @@
 """`flex`: FlexAttention with a block mask built once per step from the items.
 
 Each query row sees one contiguous range of buffer keys ``[lo, hi)``; the mask
-function reads those two ``[L]`` tensors. Logit softcapping is a score modifier.
+function reads those two ``[L]`` tensors. Logit softcapping is a score modifier. Values may
+have their own head dim (``Dv != Dk``): FlexAttention takes them as they are (its kernels
+size the value dim apart, ``V_HEAD_DIM``; only query and key must match).
 Forward and backward on GPU; torch 2.13 has no FlexAttention backward on CPU, so
 training on CPU is refused (inference works).
 
@@ -71,7 +73,7 @@ class FlexKernel(AttentionKernel):
 
     def attend(self, call: FlexCall, q_HLD, k_HND, v_HND, options: CallOptions):
         if k_HND.shape[1] == 0:
-            return torch.zeros_like(q_HLD)
+            return q_HLD.new_zeros((*q_HLD.shape[:-1], v_HND.shape[-1]))
         out = self._flex(
             q_HLD.unsqueeze(0), k_HND.unsqueeze(0), v_HND.unsqueeze(0), block_mask=call.block_mask,
             score_mod=None if options.softcap is None else _softcapped(options.softcap),

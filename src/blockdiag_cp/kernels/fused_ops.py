@@ -2,7 +2,9 @@
 
 Shapes: queries ``[G, H, l, D]``, keys and values ``[G, Hk, m, D]`` (any strides with
 a unit-stride last dimension); the output ``[G, H, l, D]`` and the log-sum-exp
-``[G, H, l]`` (float32, or float64 for float64 inputs).
+``[G, H, l]`` (float32, or float64 for float64 inputs). Ops with `equal_head_dims` take one
+``D`` for all three (the caller pads: Note [Unequal head dims] in base.py); the others also
+take values of their own width ``Dv`` and return ``[G, H, l, Dv]``.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ def cpu_fused_ops():
 class CpuFusedOps:
     """``fwd(q, k, v, causal, scale) -> (o, lse)`` and ``bwd(...)`` on PyTorch's CPU flash kernel.
 
-    Shapes ``[n, H, l, D]`` (queries) and ``[n, Hk, m, D]`` (keys); GQA native.
+    Shapes ``[n, H, l, D]`` (queries) and ``[n, Hk, m, D]`` (keys); GQA native. One head dim for
+    q, k and v ("Q/K/V should have the same head size", torch 2.13).
     """
+
+    equal_head_dims = True
 
     def __init__(self) -> None:
         ops = cpu_fused_ops()
@@ -42,8 +47,12 @@ class CudaFusedOps:
     """The same two calls on PyTorch's CUDA memory-efficient attention (fp32/fp16/bf16).
 
     That kernel wants equal head counts (K/V heads are expanded, their gradients
-    summed in float32) and pads the log-sum-exp to a multiple of 32 queries.
+    summed in float32) and pads the log-sum-exp to a multiple of 32 queries. Values of another
+    width than the queries are padded by the caller (the kernel may take them as they are; not
+    verified on a GPU yet).
     """
+
+    equal_head_dims = True
 
     def __init__(self) -> None:
         self._fwd = torch.ops.aten._scaled_dot_product_efficient_attention
@@ -72,8 +81,10 @@ class MathOps:
     (logit softcapping ``cap * tanh(s / cap)``). Causal is top-left, like the fused ops.
 
     Memory: the scores ``[G, H, l, m]`` of one call (one document piece, or one bucket of
-    short ones), never a row's ``[S, S]``.
+    short ones), never a row's ``[S, S]``. Values of any width.
     """
+
+    equal_head_dims = False
 
     def __init__(self, softcap: float) -> None:
         self.softcap = softcap

@@ -88,7 +88,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..errors import ensure
-from .base import CallOptions, ItemTable, LseKernel, accumulate_dtype, expand_heads, fold_heads, merge_partial
+from .base import (CallOptions, ItemTable, LseKernel, accumulate_dtype, expand_heads, fold_heads, merge_partial,
+                   pad_last, padded_width)
 from ..plan.ranges import concat_ranges
 from .fused_ops import MathOps, cpu_fused_ops, fused_ops_for
 
@@ -373,21 +374,29 @@ class SdpaKernel(LseKernel):
     def _ops_for(self, softcap: Optional[float]):
         return self._ops if softcap is None else MathOps(softcap)
 
+    @staticmethod
+    def _width(ops, k_dim: int, v_dim: int) -> Optional[int]:
+        """The head dim the fused calls run at when `ops` want one for q, k and v (None: as given)."""
+        return padded_width(k_dim, v_dim) if ops.equal_head_dims else None
+
     def forward(self, calls, q_HLD, k_HND, v_HND, options: CallOptions):
-        """``(o [H, L, D], lse [H, L], aux)``; aux holds each call's head-major q/k/v for backward."""
+        """``(o [H, L, Dv], lse [H, L], aux)``; aux holds each call's head-major q/k/v for backward (zero-padded
+        to one head dim where the fused ops want it: Note [Unequal head dims] in base.py)."""
         ensure(options.dropout_p == 0.0, "callers route dropout to a kernel that supports it")
         ops, scale = self._ops_for(options.softcap), options.scale
-        H, L, D = q_HLD.shape
+        (H, L, Dk), Dv = q_HLD.shape, v_HND.shape[-1]
+        width = self._width(ops, Dk, Dv)
         # + the dummy row that pads write into; every other row is written by a first-touch call or zeroed here
-        o_LHD = q_HLD.new_empty(L + 1, H, D).index_fill_(0, calls.untouched_rows, 0.0)
+        o_LHD = q_HLD.new_empty(L + 1, H, Dv).index_fill_(0, calls.untouched_rows, 0.0)
         lse_LH = torch.empty((L + 1, H), dtype=accumulate_dtype(q_HLD.dtype), device=q_HLD.device)
         lse_LH.index_fill_(0, calls.untouched_rows, float("-inf"))
-        q_HLD, k_HND, v_HND = (t.contiguous() for t in (q_HLD, k_HND, v_HND))  # head-major, once per layer
+        # head-major, once per layer (padding, where needed, is that same copy)
+        q_HLD, k_HND, v_HND = (pad_last(t, width).contiguous() for t in (q_HLD, k_HND, v_HND))
         kept = []
         for call in calls:
             q, k, v = call.q.take_heads(q_HLD), call.k.take_heads(k_HND), call.k.take_heads(v_HND)
             o_b, lse_b = ops.fwd(q, k, v, call.causal, scale)
-            o, lse = call.q.unbatch(o_b), call.q.unbatch(lse_b.unsqueeze(-1)).squeeze(-1)
+            o, lse = call.q.unbatch(o_b[..., :Dv]), call.q.unbatch(lse_b.unsqueeze(-1)).squeeze(-1)
             if call.merge:
                 o, lse = merge_partial(call.q.take(o_LHD), call.q.take(lse_LH), o, lse)
             call.q.put(o_LHD, o)
@@ -396,16 +405,17 @@ class SdpaKernel(LseKernel):
         return o_LHD[:L].transpose(0, 1), lse_LH[:L].transpose(0, 1), kept
 
     def backward(self, calls, do_HLD, q_HLD, k_HND, v_HND, o_HLD, lse_HL, aux, options: CallOptions):
-        """``(dq [H, L, D], dk [Hk, N, D], dv [Hk, N, D])``: token-major storage (each call's rows added in place);
-        dk/dv rows are the items' `key_grad_rows` when they have them (``N = num_key_grad_rows``)."""
+        """``(dq [H, L, Dk], dk [Hk, N, Dk], dv [Hk, N, Dv])``: token-major storage (each call's rows added in
+        place); dk/dv rows are the items' `key_grad_rows` when they have them (``N = num_key_grad_rows``)."""
         ops, scale = self._ops_for(options.softcap), options.scale
-        do_LHD, o_LHD, lse_LH = do_HLD.transpose(0, 1), o_HLD.transpose(0, 1), lse_HL.transpose(0, 1)
-        acc = accumulate_dtype(q_HLD.dtype)
-        (H, L, D), N = q_HLD.shape, calls.k_grad_rows  # dk/dv rows: the exchange's layout or the buffer's
+        (H, L, Dk), Dv, N = q_HLD.shape, v_HND.shape[-1], calls.k_grad_rows  # N: the exchange's layout or the buffer's
+        width = self._width(ops, Dk, Dv)  # the calls kept their inputs padded to it; dO and o join them there
+        do_LHD, o_LHD = (pad_last(t.transpose(0, 1), width) for t in (do_HLD, o_HLD))
+        lse_LH, acc = lse_HL.transpose(0, 1), accumulate_dtype(q_HLD.dtype)
         # first-touch calls write their rows; only the rest is zeroed (Note [First-touch gradient rows])
-        dq = torch.empty(L + 1, H, D, dtype=acc, device=q_HLD.device).index_fill_(0, calls.zero_q_rows, 0.0)
-        dk, dv = (torch.empty(N + 1, k_HND.shape[0], D, dtype=acc, device=q_HLD.device).index_fill_(
-            0, calls.zero_k_rows, 0.0) for _ in range(2))
+        dq = torch.empty(L + 1, H, Dk, dtype=acc, device=q_HLD.device).index_fill_(0, calls.zero_q_rows, 0.0)
+        dk, dv = (torch.empty(N + 1, k_HND.shape[0], d, dtype=acc, device=q_HLD.device).index_fill_(
+            0, calls.zero_k_rows, 0.0) for d in (Dk, Dv))
         # In half precision the CPU fused backward sums grouped-query heads in that
         # precision; expand K/V heads and sum their gradients in float32 instead.
         groups = H // k_HND.shape[0] if q_HLD.element_size() < 4 and self.device_type == "cpu" else 1
@@ -418,6 +428,8 @@ class SdpaKernel(LseKernel):
                 call.q.batch(do), q, k_b, v_b, call.q.batch(o),
                 call.q.batch(lse.unsqueeze(-1)).squeeze(-1).contiguous(), call.causal, scale,
             )
+            if width is not None:  # drop the pad columns' gradients
+                dq_b, dk_b, dv_b = dq_b[..., :Dk], dk_b[..., :Dk], dv_b[..., :Dv]
             if groups > 1:
                 dk_b, dv_b = (fold_heads(t.to(acc), groups, 1) for t in (dk_b, dv_b))
             (call.q.put if call.q_first else call.q.add)(dq, call.q.unbatch(dq_b))

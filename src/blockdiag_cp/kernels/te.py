@@ -1,7 +1,10 @@
 """`te`: TransformerEngine's ``DotProductAttention`` in THD format (GPU, fp16/bf16).
 
 Causal calls use ``attn_mask_type="padding_causal_bottom_right"``, full ones
-``"padding"``. The import is lazy: a CPU install never needs TransformerEngine.
+``"padding"``. Values of another width than the queries (MLA) arrive zero-padded to one head
+dim (`packed_attention`, Note [Unequal head dims] in base.py): TransformerEngine's support
+for unequal dims depends on its backend. The import is lazy: a CPU install never needs
+TransformerEngine.
 """
 
 from __future__ import annotations

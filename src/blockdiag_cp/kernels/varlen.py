@@ -29,7 +29,7 @@ import torch
 
 from ..errors import ensure
 from ..plan.ranges import concat_ranges
-from .base import AttentionKernel, CallOptions, ItemTable
+from .base import AttentionKernel, CallOptions, ItemTable, pad_last, padded_width
 
 
 @dataclass(frozen=True)
@@ -90,17 +90,20 @@ def varlen_calls(items: ItemTable, device: torch.device) -> tuple[VarlenCall, ..
 
 
 def packed_attention(calls: tuple[VarlenCall, ...], q_HLD, k_HND, v_HND, run) -> torch.Tensor:
-    """Run ``run(call, q [Tq, H, D], k [Tk, Hk, D], v) -> [Tq, H, D]`` per call; scatter to ``[H, L, D]``.
+    """Run ``run(call, q [Tq, H, D], k [Tk, Hk, D], v [Tk, Hk, D]) -> [Tq, H, D]`` per call; scatter to
+    ``[H, L, Dv]``. Values of another width than the queries (``Dv != Dk``) reach `run` zero-padded to
+    one head dim, and its output is cut back to ``Dv`` (Note [Unequal head dims] in base.py).
 
     Differentiable (gather/scatter by index); rows in no call are zero.
     """
-    H, L, D = q_HLD.shape
-    out_LHD = q_HLD.new_zeros(L, H, D)
+    (H, L, Dk), Dv = q_HLD.shape, v_HND.shape[-1]
+    width = padded_width(Dk, Dv)
+    out_LHD = q_HLD.new_zeros(L, H, Dv)
     for call in calls:
-        q = q_HLD.transpose(0, 1).index_select(0, call.q_rows)
-        k = k_HND.transpose(0, 1).index_select(0, call.k_rows)
-        v = v_HND.transpose(0, 1).index_select(0, call.k_rows)
-        out_LHD = out_LHD.index_copy(0, call.q_rows, run(call, q, k, v).to(q_HLD.dtype))
+        q = pad_last(q_HLD.transpose(0, 1).index_select(0, call.q_rows), width)
+        k = pad_last(k_HND.transpose(0, 1).index_select(0, call.k_rows), width)
+        v = pad_last(v_HND.transpose(0, 1).index_select(0, call.k_rows), width)
+        out_LHD = out_LHD.index_copy(0, call.q_rows, run(call, q, k, v)[..., :Dv].to(q_HLD.dtype))
     return out_LHD.transpose(0, 1)
 
 

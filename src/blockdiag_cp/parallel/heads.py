@@ -148,15 +148,20 @@ def split_kv_heads(kv_heads: int, degree: int) -> int:
     return kv_heads * (degree // math.gcd(kv_heads, degree)) // degree
 
 
-def ulysses_peer_elements(degree: int, local_len: int, heads: int, kv_heads: int, head_dim: int) -> int:
+def ulysses_peer_elements(degree: int, local_len: int, heads: int, kv_heads: int, head_dim: int,
+                          v_head_dim: Optional[int] = None) -> int:
     """Elements one rank sends each other member of its group per attention call, forward (as many
-    backward): its ``L`` tokens' q, k, v for that member's heads, and that member's output rows back."""
-    return local_len * head_dim * (2 * heads // degree + 2 * split_kv_heads(kv_heads, degree))
+    backward): its ``L`` tokens' q and k (``head_dim`` each) and v (``v_head_dim``, None: ``head_dim``)
+    for that member's heads, and that member's output rows back (``v_head_dim``):
+    ``L (Dk + Dv) (H/u + Hk'/u)``."""
+    widths = head_dim + (head_dim if v_head_dim is None else v_head_dim)
+    return local_len * widths * (heads // degree + split_kv_heads(kv_heads, degree))
 
 
-def ulysses_elements(degree: int, local_len: int, heads: int, kv_heads: int, head_dim: int) -> int:
+def ulysses_elements(degree: int, local_len: int, heads: int, kv_heads: int, head_dim: int,
+                     v_head_dim: Optional[int] = None) -> int:
     """Elements one rank sends in the all-to-alls of one attention call, forward (the same backward)."""
-    return (degree - 1) * ulysses_peer_elements(degree, local_len, heads, kv_heads, head_dim)
+    return (degree - 1) * ulysses_peer_elements(degree, local_len, heads, kv_heads, head_dim, v_head_dim)
 
 
 @dataclass(frozen=True)

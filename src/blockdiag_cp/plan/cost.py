@@ -7,15 +7,20 @@ layer (forward + backward) the bytes it sends and its attention work, for a
 head-parallel degree ``u`` (1: the needed-only / all-gather / ring exchange alone;
 ``W``: pure Ulysses; between: hybrid, Note [Head-parallel groups]):
 
-- head all-to-alls (``u > 1``): ``2 (u - 1) L D (2 H/u + 2 Hk'/u)`` elements, whatever the
-  documents (`exchange.ulysses.ulysses_elements`, forward and backward alike);
+- head all-to-alls (``u > 1``): ``2 (u - 1) L (Dk + Dv) (H/u + Hk'/u)`` elements, whatever the
+  documents (`parallel.heads.ulysses_elements`, forward and backward alike; q and k at the
+  query/key head dim ``Dk``, v and the output at the value head dim ``Dv``);
 - K/V between groups, on the plan of the ``W / u`` groups: for the needed-only
   exchanges (``auto``, ``a2a``, ``halo``) the rows the group owns that others need
-  (forward) plus the gradients of the rows it received (backward), ``2 Hk'/u D``
+  (forward) plus the gradients of the rows it received (backward), ``Hk'/u (Dk + Dv)``
   elements a row; ``allgather`` and ``ring`` move ``(W/u - 1) u L`` rows each way
   (an upper bound for the ring, which stops early when nothing further is needed);
 - work: the query-key pairs of the rank's queries times its heads (``H`` at ``u = 1``;
   the group's pairs times ``H / u`` otherwise: a group's members split its work evenly).
+
+``Dv = Dk`` unless a model's values are narrower (MLA). Both byte terms scale with ``Dk + Dv``,
+so the degree `choose_ulysses_degree` takes does not depend on the head dims: it plans at
+``Dk + Dv = 2`` (one element a head dim).
 
 Bytes are what one rank writes (what `/proc/self/io` ``wchar`` meters on gloo), split
 into intra- and inter-node links by ``gpus_per_node`` (ranks ``r // gpus_per_node``
@@ -31,6 +36,7 @@ from typing import Optional
 import torch
 
 from ..config import CPConfig
+from ..exchange.base import kv_row_elements
 from ..exchange.ring import travel_rows
 from ..parallel.heads import split_kv_heads, ulysses_peer_elements
 from .geometry import StepGeometry
@@ -64,12 +70,15 @@ class SchemeCost:
     def max_sent(self) -> float:
         return float(self.sent.max())
 
-    def seconds(self, intra_gbps: float, inter_gbps: float, head_dim: int, tflops: float) -> torch.Tensor:
+    def seconds(self, intra_gbps: float, inter_gbps: float, head_dim: int, tflops: float,
+                v_head_dim: Optional[int] = None) -> torch.Tensor:
         """``[W]`` predicted seconds per layer: links at their bandwidths (GB/s), then the attention
-        at `tflops` (3.5 x 4 x pairs x heads x head_dim FLOPs, forward + backward); no overlap assumed."""
+        at `tflops` (3.5 x 2 x pairs x heads x (Dk + Dv) FLOPs, forward + backward: ``q k^T`` and ``p v``;
+        `v_head_dim` None: ``Dv = Dk``); no overlap assumed."""
         link = (self.ulysses_intra + self.kv_intra) / (intra_gbps * 1e9) + (self.ulysses_inter + self.kv_inter) / (
             inter_gbps * 1e9)
-        return link + 14.0 * self.work * head_dim / (tflops * 1e12)
+        widths = head_dim + (head_dim if v_head_dim is None else v_head_dim)
+        return link + 7.0 * self.work * widths / (tflops * 1e12)
 
 
 @dataclass(frozen=True)
@@ -87,12 +96,14 @@ def candidate_degrees(world: int, heads: int) -> list[int]:
 def scheme_cost(
     plan: ShardPlan, doc_ids_S: torch.Tensor, degree: int, heads: tuple[int, int], head_dim: int = 1,
     element_size: int = 1, exchange: str = "auto", gpus_per_node: Optional[int] = None,
+    v_head_dim: Optional[int] = None,
 ) -> SchemeCost:
-    """Per-rank bytes and work of `plan` under head-parallel `degree` (Note [Scheme costs])."""
+    """Per-rank bytes and work of `plan` under head-parallel `degree` (Note [Scheme costs]); queries and
+    keys of `head_dim`, values of `v_head_dim` (None: `head_dim`)."""
     H, Hk = heads
     W, L = plan.world, plan.local_len
     node = torch.arange(W) // (gpus_per_node or W)
-    row_bytes = 2 * split_kv_heads(Hk, degree) * head_dim * element_size
+    row_bytes = kv_row_elements(split_kv_heads(Hk, degree), head_dim, v_head_dim) * element_size
     group_plan = plan if degree == 1 else merge_consecutive_ranks(plan, degree)[0]
     geometry = StepGeometry.build(group_plan, doc_ids_S)
     kv_intra, kv_inter = torch.zeros(W, dtype=torch.float64), torch.zeros(W, dtype=torch.float64)
@@ -103,7 +114,8 @@ def scheme_cost(
         crosses = torch.tensor([bool(node[p] != node[rank]) for p in peers])
         kv_inter[rank] = float(rows[crosses].sum()) * row_bytes
         kv_intra[rank] = float(rows[~crosses].sum()) * row_bytes
-    u_intra, u_inter = _ulysses_bytes(W, L, degree, H, Hk, head_dim * element_size, node)
+    per_peer = 2 * ulysses_peer_elements(degree, L, H, Hk, head_dim, v_head_dim) * element_size  # fwd + bwd
+    u_intra, u_inter = _ulysses_bytes(W, degree, per_peer, node)
     real = geometry.doc_ids[: plan.seq_len]
     group_work = attention_work(group_plan, real).double() * H / degree
     work = group_work.repeat_interleave(degree)
@@ -131,12 +143,12 @@ def _kv_rows_to(geometry: StepGeometry, g: int, exchange: str) -> torch.Tensor:
     return rows
 
 
-def _ulysses_bytes(W: int, L: int, degree: int, H: int, Hk: int, elem_bytes: int, node: torch.Tensor):
-    """``[W]`` intra- and inter-node bytes of the head all-to-alls (equal chunks to each other member)."""
+def _ulysses_bytes(W: int, degree: int, per_peer: int, node: torch.Tensor):
+    """``[W]`` intra- and inter-node bytes of the head all-to-alls: `per_peer` bytes (forward + backward) to
+    each other member of the rank's head-parallel group."""
     intra, inter = torch.zeros(W, dtype=torch.float64), torch.zeros(W, dtype=torch.float64)
     if degree == 1:
         return intra, inter
-    per_peer = 2 * ulysses_peer_elements(degree, L, H, Hk, 1) * elem_bytes  # forward + backward, to one member
     for rank in range(W):
         first = rank - rank % degree
         for peer in range(first, first + degree):

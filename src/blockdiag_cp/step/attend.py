@@ -59,7 +59,8 @@ def attend_in_step(
     enable_gqa: bool = False,
     features: Optional["LayerFeatures"] = None,
 ) -> torch.Tensor:
-    """Per-document causal attention of this rank's ``[1, H, L, D]`` shards under `state`.
+    """Per-document causal attention of this rank's shards under `state`: ``query [1, H, L, Dk]``, ``key
+    [1, Hk, L, Dk]``, ``value [1, Hk, L, Dv]`` -> ``[1, H, L, Dv]`` (``Dv`` may differ from ``Dk``: MLA).
 
     Legal inputs that a fused kernel would get wrong are normalised first (host-side
     decisions, no synchronisation): a last dimension that is not unit-stride is copied
@@ -195,7 +196,8 @@ def refuse_late_recompute(query: torch.Tensor, key: torch.Tensor, value: torch.T
 
 
 def call_problem(state: StepState, query, key, value, enable_gqa: bool) -> Optional[ValueError]:
-    """The `ValueError` this call deserves (None if q/k/v are this rank's ``[1, H, L, D]`` shards)."""
+    """The `ValueError` this call deserves (None if q/k/v are this rank's ``[1, H, L, Dk]``, ``[1, Hk, L, Dk]``
+    and ``[1, Hk, L, Dv]`` shards)."""
     L = state.local_len
     if query.device.type != state.device.type or (
         query.device.index is not None and state.device.index is not None and query.device.index != state.device.index
@@ -207,8 +209,9 @@ def call_problem(state: StepState, query, key, value, enable_gqa: bool) -> Optio
                 f"inside a block-diagonal CP step, {name} must be [1, heads, {L}, head_dim] "
                 f"(this rank's shard of length {L}), got {tuple(t.shape)}"
             )
-    if key.shape != value.shape:
-        return ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same shape")
+    if key.shape[:-1] != value.shape[:-1] or value.shape[-1] < 1:
+        return ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same batch, heads "
+                          "and length (the value head dim may differ from the key's)")
     if query.shape[-1] != key.shape[-1]:
         return ValueError(f"query head_dim {query.shape[-1]} != key head_dim {key.shape[-1]}")
     H, Hk = query.shape[1], key.shape[1]
@@ -306,7 +309,7 @@ def attend_row(
     scaling: Optional[float], features: LayerFeatures, check: Optional[Callable[[StepState], None]] = None,
 ) -> torch.Tensor:
     """Per-document attention of one row outside a step, whose keys are its queries: ``query
-    [1, H, S, D]``, ``key``/``value [1, Hk, S, D]`` -> ``[1, H, S, D]``. Its documents come from
+    [1, H, S, Dk]``, ``key [1, Hk, S, Dk]``, ``value [1, Hk, S, Dv]`` -> ``[1, H, S, Dv]``. Its documents come from
     `cu_seqlens`, else `position_ids` ``[1, S]`` that restart, else one document, and its padding
     from a ``[1, 1, S, S]`` `attention_mask` (`row_doc_ids`). `check` sees the planned row first
     (transformers' interface refuses unrouted token mixers on a row of several documents)."""

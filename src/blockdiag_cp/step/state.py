@@ -130,14 +130,15 @@ class StepState:
         return self.exchange.traffic
 
     def bytes_per_layer(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                        window: Optional[int] = None) -> LayerBytes:
-        """Bytes this rank moves per attention layer of `heads` / `kv_heads` heads of `head_dim`
-        (the head all-to-alls and the K/V rows, each sent/received, forward/backward)."""
+                        window: Optional[int] = None, *, v_head_dim: Optional[int] = None) -> LayerBytes:
+        """Bytes this rank moves per attention layer of `heads` / `kv_heads` heads of `head_dim` (queries
+        and keys) and `v_head_dim` (values and the output; None: `head_dim`): the head all-to-alls and the
+        K/V rows, each sent/received, forward/backward, every tensor counted at its own width."""
         size = torch.empty(0, dtype=dtype).element_size()
         degree = 1 if self.heads is None else self.heads.groups.degree
         kv_per_rank = split_kv_heads(kv_heads, degree)
-        moved = ulysses_elements(degree, self.local_len, heads, kv_heads, head_dim) * size
-        kv = self.exchange_for(window).traffic.bytes(kv_per_rank, head_dim, dtype)
+        moved = ulysses_elements(degree, self.local_len, heads, kv_heads, head_dim, v_head_dim) * size
+        kv = self.exchange_for(window).traffic.bytes(kv_per_rank, head_dim, dtype, v_head_dim)
         return LayerBytes(Traffic(moved, moved, moved, moved), kv)
 
     def mixer_bytes_per_layer(self, shape: "MixerShape", dtype: torch.dtype) -> "MixerBytes":

@@ -13,7 +13,8 @@ def oracle_attention(
     q_HSD: torch.Tensor, k_HSD: torch.Tensor, v_HSD: torch.Tensor, doc_ids_S: torch.Tensor, scale: float,
     window: Optional[int] = None, softcap: Optional[float] = None, sinks_H: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Dense block-causal attention of the whole row (``[H, S, D]``, GQA allowed); padding rows are 0.
+    """Dense block-causal attention of the whole row: ``q [H, S, D]``, ``k [Hk, S, D]``, ``v [Hk, S, Dv]``
+    -> ``[H, S, Dv]`` (GQA allowed; ``Dv`` may differ from ``D``); padding rows are 0.
 
     Optionally with a sliding `window` (keys ``(q - w, q]``), logit `softcap`, and `sinks_H`
     (one extra logit per head in every row's softmax denominator), written the plain way.

@@ -31,17 +31,23 @@ class ParityCase:
     softcap: Optional[float] = None
     sinks: bool = False  # one learned logit per head (its gradient is checked too)
     ulysses_degree: Any = 1  # head-parallel degree (int or "auto")
+    v_head_dim: Optional[int] = None  # the values' head dim (None: head_dim; MLA models differ)
 
     @property
     def doc_ids(self) -> torch.Tensor:
         return doc_ids_from_lengths(self.segments)
+
+    @property
+    def value_dim(self) -> int:
+        """``Dv``: the values' (and the output's) head dim."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
 
 @dataclass
 class ParityResult:
     """One rank's comparison with the oracle, and what it computed (float64, CPU).
 
-    ``output`` is this rank's ``[H, L, D]`` rows; ``input_grad`` the ``[1, S, X]``
+    ``output`` is this rank's ``[H, L, Dv]`` rows; ``input_grad`` the ``[1, S, X]``
     input gradient summed over the CP group.
     """
 
@@ -56,27 +62,27 @@ class ParityResult:
 
 
 def _case_tensors(case: ParityCase) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Full-row inputs ``[1, S, (H + 2 Hk) D]``, upstream gradient ``[H, S, D]`` and sinks ``[H]`` (or None),
-    the same on every rank."""
+    """Full-row inputs ``[1, S, (H + Hk) D + Hk Dv]``, upstream gradient ``[H, S, Dv]`` and sinks ``[H]`` (or
+    None), the same on every rank."""
     gen = torch.Generator().manual_seed(1000 + case.seed)
     S = case.doc_ids.numel()
-    width = (case.heads + 2 * case.kv_heads) * case.head_dim
+    width = (case.heads + case.kv_heads) * case.head_dim + case.kv_heads * case.value_dim
     dtype = getattr(torch, case.dtype)
     x = torch.randn(1, S, width, generator=gen, dtype=torch.float64).to(device=case.device, dtype=dtype)
-    grad = torch.randn(case.heads, S, case.head_dim, generator=gen, dtype=torch.float64)
+    grad = torch.randn(case.heads, S, case.value_dim, generator=gen, dtype=torch.float64)
     sinks = torch.randn(case.heads, generator=gen, dtype=torch.float64).to(case.device, dtype) if case.sinks else None
     return x, grad.to(case.device), sinks
 
 
 def _split_qkv(x_1SX: torch.Tensor, case: ParityCase) -> tuple[torch.Tensor, ...]:
-    """``[1, S, (H + 2 Hk) D]`` -> q ``[1, H, S, D]``, k and v ``[1, Hk, S, D]``."""
-    H, Hk, D = case.heads, case.kv_heads, case.head_dim
-    q, k, v = torch.split(x_1SX, [H * D, Hk * D, Hk * D], dim=-1)
-    return tuple(t.reshape(1, t.shape[1], -1, D).transpose(1, 2) for t in (q, k, v))
+    """``[1, S, (H + Hk) D + Hk Dv]`` -> q ``[1, H, S, D]``, k ``[1, Hk, S, D]``, v ``[1, Hk, S, Dv]``."""
+    H, Hk, D, Dv = case.heads, case.kv_heads, case.head_dim, case.value_dim
+    q, k, v = torch.split(x_1SX, [H * D, Hk * D, Hk * Dv], dim=-1)
+    return tuple(t.reshape(1, t.shape[1], -1, d).transpose(1, 2) for t, d in ((q, D), (k, D), (v, Dv)))
 
 
 def oracle_case(case: ParityCase, dtype: torch.dtype = torch.float64):
-    """Oracle output ``[H, S, D]``, input gradient ``[1, S, X]`` and sinks gradient ``[H]`` (or None),
+    """Oracle output ``[H, S, Dv]``, input gradient ``[1, S, X]`` and sinks gradient ``[H]`` (or None),
     computed in `dtype`, as float64.
 
     In float64 this is the ground truth; in the case's low precision it is the dense
@@ -123,7 +129,7 @@ def run_parity_case(case: ParityCase, cp_mesh) -> ParityResult:
             out = torch.utils.checkpoint.checkpoint(attend, q, k, v, use_reentrant=reentrant)
         S = case.doc_ids.numel()
         positions = positions.to(x.device)
-        grad_local = torch.zeros(case.heads, positions.numel(), case.head_dim, dtype=torch.float64, device=x.device)
+        grad_local = torch.zeros(case.heads, positions.numel(), case.value_dim, dtype=torch.float64, device=x.device)
         real = positions < S
         grad_local[:, real] = grad[:, positions[real]]
         (out[0].to(torch.float64) * grad_local).sum().backward()
@@ -137,7 +143,7 @@ def run_parity_case(case: ParityCase, cp_mesh) -> ParityResult:
     grad_err = float((x_grad - ref_grad).abs().max())
     if sinks_grad is not None:
         grad_err = max(grad_err, float((sinks_grad - ref_sinks_grad).abs().max()))
-    expected = torch.zeros(case.heads, positions.numel(), case.head_dim, dtype=torch.float64, device=x.device)
+    expected = torch.zeros(case.heads, positions.numel(), case.value_dim, dtype=torch.float64, device=x.device)
     expected[:, real] = ref_out[:, positions[real]]
     t = state.traffic
     return ParityResult(

@@ -68,7 +68,7 @@ def plan_costs(args: argparse.Namespace) -> tuple[list[tuple[Scheme, SchemeCost]
     ids = doc_ids_from_lengths(doc_lengths(args.docs, args.seq_len))
     plan = make_plan(ids, args.world, args.layout)
     costs = [(s, scheme_cost(plan, ids, s.degree, (args.heads, args.kv_heads), args.head_dim,
-                             DTYPE_BYTES[args.dtype], s.exchange, args.gpus_per_node))
+                             DTYPE_BYTES[args.dtype], s.exchange, args.gpus_per_node, v_head_dim(args)))
              for s in schemes(args.world, args.heads, args.exchange, args.ulysses_degree)]
     return costs, time.perf_counter() - t0
 
@@ -77,7 +77,7 @@ def table(args: argparse.Namespace, costs: list[tuple[Scheme, SchemeCost]]) -> l
     lines = ["| scheme | MB/rank intra-node | MB/rank inter-node | work max/mean | predicted ms/layer |",
              "|---|---|---|---|---|"]
     for scheme, cost in costs:
-        seconds = cost.seconds(args.intra_gbps, args.inter_gbps, args.head_dim, args.tflops)
+        seconds = cost.seconds(args.intra_gbps, args.inter_gbps, args.head_dim, args.tflops, v_head_dim(args))
         intra = float((cost.ulysses_intra + cost.kv_intra).max()) / 1e6
         inter = float((cost.ulysses_inter + cost.kv_inter).max()) / 1e6
         work = cost.work
@@ -95,7 +95,7 @@ def auto_choice(costs: list[tuple[Scheme, SchemeCost]], args: argparse.Namespace
     degree = pick_degree([c for _, c in candidates]).degree
     by_bytes = next(s for s, c in candidates if s.degree == degree)
     by_time = min(costs, key=lambda sc: float(sc[1].seconds(args.intra_gbps, args.inter_gbps, args.head_dim,
-                                                             args.tflops).max()))
+                                                             args.tflops, v_head_dim(args)).max()))
     return by_bytes.name, by_time[0].name
 
 
@@ -104,7 +104,7 @@ def run_plan(args: argparse.Namespace) -> int:
         return run_whole_batch(args)
     costs, seconds = plan_costs(args)
     print(f"blockdiag-cp plan: world {args.world} ({args.gpus_per_node} per node), S = {args.seq_len}, "
-          f"docs {args.docs}, layout {args.layout}, {args.heads}/{args.kv_heads} heads of {args.head_dim}, "
+          f"docs {args.docs}, layout {args.layout}, {args.heads}/{args.kv_heads} heads of {head_dims(args)}, "
           f"{args.dtype}; links {args.intra_gbps} / {args.inter_gbps} GB/s, attention {args.tflops} TFLOP/s")
     print("\n".join(table(args, costs)))
     if args.world > 1 and args.heads % args.world:
@@ -113,6 +113,17 @@ def run_plan(args: argparse.Namespace) -> int:
     print(f"\nulysses_degree='auto' (fewest bytes on the busiest rank): {bytes_pick}; "
           f"fastest predicted: {time_pick}. Planned in {seconds:.1f} s.")
     return 0
+
+
+def v_head_dim(args: argparse.Namespace) -> int:
+    """The values' head dim: ``--v-head-dim``, else ``--head-dim``."""
+    return args.head_dim if args.v_head_dim is None else args.v_head_dim
+
+
+def head_dims(args: argparse.Namespace) -> str:
+    """``"128"``, or ``"192 (values 128)"`` when the values' head dim differs (MLA)."""
+    dv = v_head_dim(args)
+    return f"{args.head_dim}" if dv == args.head_dim else f"{args.head_dim} (values {dv})"
 
 
 def plan_problem(args: argparse.Namespace) -> str | None:
@@ -146,7 +157,9 @@ def add_plan_args(p: argparse.ArgumentParser, positive: Callable[[str], int]) ->
                    help="the exchange between head-parallel groups (ring is not planned). " + exchanges)
     p.add_argument("--heads", type=positive, default=32, help="query heads")
     p.add_argument("--kv-heads", type=positive, default=8, help="K/V heads (divides --heads)")
-    p.add_argument("--head-dim", type=positive, default=128, help="head dimension")
+    p.add_argument("--head-dim", type=positive, default=128, help="head dimension of queries and keys")
+    p.add_argument("--v-head-dim", type=positive, default=None,
+                   help="head dimension of values and the output (default: --head-dim; MLA models: e.g. 192 / 128)")
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16", help="K/V dtype on the wire")
     p.add_argument("--intra-gbps", type=float, default=400.0, help="per-GPU intra-node bandwidth, GB/s")
     p.add_argument("--inter-gbps", type=float, default=50.0, help="per-GPU inter-node bandwidth, GB/s")
