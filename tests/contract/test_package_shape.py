@@ -10,8 +10,9 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "src" / "blockdiag_cp"
 #: module-level names allowed to hold a mutable object (Note [Why a process-wide slot];
 #: Note [Sub-groups made once]: process groups live as long as the process)
 MUTABLE_ALLOWED = {"step.slot": {"STEP_SLOT"}, "parallel.heads": {"SUBGROUPS"}}
-#: calls whose result is immutable (or a logger) at module level (`Registry` is a frozen dataclass of tuples)
-IMMUTABLE_CALLS = {"MappingProxyType", "frozenset", "tuple", "getLogger", "TypeVar", "getattr", "signature", "Registry"}
+#: calls whose result is immutable (or a logger) at module level (`Registry` is a frozen dataclass of tuples,
+#: `StepCosts` one of numbers)
+IMMUTABLE_CALLS = {"MappingProxyType", "frozenset", "tuple", "getLogger", "TypeVar", "getattr", "signature", "Registry", "StepCosts"}
 
 
 def modules():
@@ -34,6 +35,18 @@ def package_imports(module, tree, is_package):
     ``if TYPE_CHECKING:`` (a circle there is still two homes that lean on each other)."""
     return {resolve(module, is_package, node.level, node.module)
             for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level}
+
+
+#: what `plan/` (layouts, geometry, cost models) may import from the package: it is the layer the step, the
+#: exchanges and head parallelism build on (issue #36), so it reaches none of them
+PLAN_MAY_IMPORT = ("plan", "errors", "registry", "config")
+
+
+def test_plan_imports_nothing_above_it():
+    offenders = sorted(f"{name} -> {target}" for name, _, tree, pkg in modules() if name.split(".")[0] == "plan"
+                       for target in package_imports(name, tree, pkg)
+                       if target and target.split(".")[0] not in PLAN_MAY_IMPORT)
+    assert not offenders, offenders
 
 
 def test_no_import_circles():

@@ -29,6 +29,7 @@ import torch
 
 from ..errors import ensure
 from ..plan.geometry import Pieces, StepGeometry
+from ..plan.traffic import kv_row_elements
 from ..kernels import AttentionKernel, CallOptions, ItemTable
 from ..kernels.base import add_sinks, save_for_backward, saved_for_backward, sinks_grad
 
@@ -127,11 +128,6 @@ class KVExchange(ABC):
 def token_major(*tensors_HXD: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``[H, X, D]`` <-> ``[X, H, D]`` views (the same storage, token rows or head rows first)."""
     return tuple(t.transpose(0, 1) for t in tensors_HXD)
-
-
-def kv_row_elements(kv_heads: int, head_dim: int, v_head_dim: Optional[int] = None) -> int:
-    """Elements of one token's K/V row: ``Hk (Dk + Dv)`` (`v_head_dim` None: ``Dv = Dk``)."""
-    return kv_heads * (head_dim + (head_dim if v_head_dim is None else v_head_dim))
 
 
 def fuse_rows(k_XHD: torch.Tensor, v_XHD: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..errors import ensure
 from ..kernels import AttentionKernel, CallOptions, ItemTable, merge_partial
-from ..plan.geometry import StepGeometry
+from ..plan.traffic import travel_rows
 from ..kernels.base import accumulate_dtype, add_sinks, save_for_backward, saved_for_backward, sinks_grad
 from .base import ExchangeSetup, KVExchange, Traffic, fuse_rows, token_major, unfuse_rows
 
@@ -188,26 +188,6 @@ def _return_block_grads(ring: RingExchange, t: int, hop: Hop, d_block: Optional[
     received = _P2P(ring.group, sends, recvs).wait()
     if received:
         d_own.index_add_(0, hop.grad_recv_rows, received[0])
-
-
-def travel_rows(geometry: StepGeometry) -> list[list[torch.Tensor]]:
-    """``travel[o][t]``: rows of owner o's block that arrive at rank o + t (ascending).
-
-    ``travel[o][0]`` is the whole block; for t >= 1 the rows some rank among
-    ``o + t, ..., o + world - 1`` needs. (The cost model counts the ring's bytes from it.)
-    """
-    W = geometry.world
-    travel = []
-    for o in range(W):
-        owned = geometry.plan.rank_positions(o)
-        used_by = geometry.need_at(owned)  # [W, L_o]: rank j needs row i of o
-        rows = [torch.arange(owned.numel())]
-        downstream = torch.zeros(owned.numel(), dtype=torch.bool)
-        for t in range(W - 1, 0, -1):
-            downstream |= used_by[(o + t) % W]
-            rows.insert(1, torch.nonzero(downstream).flatten())
-        travel.append(rows)
-    return travel
 
 
 def _route_hop(setup: ExchangeSetup, travel: list[list[torch.Tensor]], t: int) -> Hop:

@@ -143,27 +143,6 @@ class HeadSplit:
         return None
 
 
-def split_kv_heads(kv_heads: int, degree: int) -> int:
-    """K/V heads each rank holds after the head split: ``Hk' / u`` with ``Hk' = lcm(Hk, u)``."""
-    return kv_heads * (degree // math.gcd(kv_heads, degree)) // degree
-
-
-def ulysses_peer_elements(degree: int, local_len: int, heads: int, kv_heads: int, head_dim: int,
-                          v_head_dim: Optional[int] = None) -> int:
-    """Elements one rank sends each other member of its group per attention call, forward (as many
-    backward): its ``L`` tokens' q and k (``head_dim`` each) and v (``v_head_dim``, None: ``head_dim``)
-    for that member's heads, and that member's output rows back (``v_head_dim``):
-    ``L (Dk + Dv) (H/u + Hk'/u)``."""
-    widths = head_dim + (head_dim if v_head_dim is None else v_head_dim)
-    return local_len * widths * (heads // degree + split_kv_heads(kv_heads, degree))
-
-
-def ulysses_elements(degree: int, local_len: int, heads: int, kv_heads: int, head_dim: int,
-                     v_head_dim: Optional[int] = None) -> int:
-    """Elements one rank sends in the all-to-alls of one attention call, forward (the same backward)."""
-    return (degree - 1) * ulysses_peer_elements(degree, local_len, heads, kv_heads, head_dim, v_head_dim)
-
-
 @dataclass(frozen=True)
 class HeadParallel:
     """A step's head-parallel view (Note [Head-parallel groups]): the plan of the head-parallel

@@ -8,7 +8,7 @@ head-parallel degree ``u`` (1: the needed-only / all-gather / ring exchange alon
 ``W``: pure Ulysses; between: hybrid, Note [Head-parallel groups]):
 
 - head all-to-alls (``u > 1``): ``2 (u - 1) L (Dk + Dv) (H/u + Hk'/u)`` elements, whatever the
-  documents (`parallel.heads.ulysses_elements`, forward and backward alike; q and k at the
+  documents (`plan.traffic.ulysses_elements`, forward and backward alike; q and k at the
   query/key head dim ``Dk``, v and the output at the value head dim ``Dv``);
 - K/V between groups, on the plan of the ``W / u`` groups: for the needed-only
   exchanges (``auto``, ``a2a``, ``halo``) the rows the group owns that others need
@@ -36,9 +36,7 @@ from typing import Optional
 import torch
 
 from ..config import CPConfig
-from ..exchange.base import kv_row_elements
-from ..exchange.ring import travel_rows
-from ..parallel.heads import split_kv_heads, ulysses_peer_elements
+from .traffic import kv_row_elements, split_kv_heads, travel_rows, ulysses_peer_elements
 from .geometry import StepGeometry
 from . import ShardPlan, attention_work, make_plan, merge_consecutive_ranks
 

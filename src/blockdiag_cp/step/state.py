@@ -21,7 +21,8 @@ import torch.distributed as dist
 from ..config import CPConfig
 from ..exchange import KVExchange, LayerBytes, Traffic, route_exchange
 from ..kernels import AttentionKernel, fallback_kernels, select_kernel
-from ..parallel.heads import HeadGroups, HeadParallel, split_kv_heads, ulysses_elements
+from ..parallel.heads import HeadGroups, HeadParallel
+from ..plan.traffic import split_kv_heads, ulysses_elements
 from ..plan import ShardPlan, attention_work, make_plan
 from ..plan.geometry import StepGeometry
 from ..mixers.conv import ConvPlan
