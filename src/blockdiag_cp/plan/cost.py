@@ -99,7 +99,10 @@ def scheme_cost(
     """Per-rank bytes and work of `plan` under head-parallel `degree` (Note [Scheme costs]); queries and
     keys of `head_dim`, values of `v_head_dim` (None: `head_dim`)."""
     H, Hk = heads
-    W, L = plan.world, plan.local_len
+    if degree > 1 and not plan.equal_shards:
+        raise ValueError(f"head parallelism (degree {degree}) needs equal shards; the {plan.layout} plan's ranks "
+                         "own different numbers of positions")
+    W, L = plan.world, plan.max_local_len
     node = torch.arange(W) // (gpus_per_node or W)
     row_bytes = kv_row_elements(split_kv_heads(Hk, degree), head_dim, v_head_dim) * element_size
     group_plan = plan if degree == 1 else merge_consecutive_ranks(plan, degree)[0]
@@ -136,7 +139,8 @@ def _kv_rows_to(geometry: StepGeometry, g: int, exchange: str) -> torch.Tensor:
         rows[g] = 0.0
         rows[(g + 1) % groups] += 2 * sum(travel[(g - t) % groups][t + 1].numel() for t in range(groups - 1))
         return rows
-    rows = torch.full((groups,), 2.0 * geometry.plan.local_len)  # an all-gather and its reduce-scatter: one shard
+    rows = torch.full((groups,), 2.0 * geometry.plan.max_local_len)  # an all-gather and its reduce-scatter: one
+    # (padded) shard
     rows[g] = 0.0  # per other group each way
     return rows
 

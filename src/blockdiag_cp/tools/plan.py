@@ -43,12 +43,14 @@ class Scheme:
     exchange: str
 
 
-def schemes(world: int, heads: int, exchange: str, degree: str = "all") -> list[Scheme]:
+def schemes(world: int, heads: int, exchange: str, degree: str = "all", layout: str = "balanced") -> list[Scheme]:
     """All-gather and needed-only (degree 1), hybrid at each degree between (only `degree` when
-    it is a number), pure Ulysses."""
+    it is a number), pure Ulysses (none under the grouped layout: its shards differ in length)."""
     from ..plan.cost import candidate_degrees
 
     out = [Scheme("allgather", 1, "allgather"), Scheme(f"needed-only ({exchange})", 1, exchange)]
+    if layout == "grouped":
+        return out
     for u in candidate_degrees(world, heads):
         if 1 < u < world and (not degree.isdigit() or u == int(degree)):
             out.append(Scheme(f"hybrid u={u}", u, exchange))
@@ -66,10 +68,12 @@ def plan_costs(args: argparse.Namespace) -> tuple[list[tuple[Scheme, SchemeCost]
 
     t0 = time.perf_counter()
     ids = doc_ids_from_lengths(doc_lengths(args.docs, args.seq_len))
-    plan = make_plan(ids, args.world, args.layout)
+    from ..plan import PlanOptions
+
+    plan = make_plan(ids, args.world, args.layout, PlanOptions(ranks_per_node=args.gpus_per_node))
     costs = [(s, scheme_cost(plan, ids, s.degree, (args.heads, args.kv_heads), args.head_dim,
                              DTYPE_BYTES[args.dtype], s.exchange, args.gpus_per_node, v_head_dim(args)))
-             for s in schemes(args.world, args.heads, args.exchange, args.ulysses_degree)]
+             for s in schemes(args.world, args.heads, args.exchange, args.ulysses_degree, args.layout)]
     return costs, time.perf_counter() - t0
 
 
