@@ -41,10 +41,9 @@ SFT_TESTS = "tests/integrations/test_trainer_losses.py::test_sft_loss_paths_equa
 DP_TESTS = "tests/integrations/test_trainer_losses.py::test_loss_normalization_at_dp2_cp2_equals_plain_ddp"
 MOE_TESTS = "tests/integrations/test_trainer_losses.py::test_moe_router_loss_equals_the_run_without_cp"
 NOISE_TESTS = "tests/integrations/test_trainer_losses.py::test_neftune_noise_is_the_run_without_cps"
-METRIC_TESTS = "tests/integrations/test_trainer_losses.py::test_eval_metrics_plumbing_equals_the_run_without_cp"
 RL_TESTS = "tests/integrations/test_trl_rl.py::test_grpo_under_cp_equals_grpo_without_cp"
 DPO_TESTS = "tests/integrations/test_trl_rl.py::test_dpo_and_grpo_at_dp2_cp2_equal_the_runs_without_cp"
-READERS = "tests/unit/test_trainer_options.py::test_every_dataloader_option_the_mixin_reads_is_checked"
+READERS = "tests/integrations/test_trainer.py::test_every_cp_rank_reads_what_its_replica_reads_without_cp"
 
 
 def _unset(value: Any) -> bool:
@@ -136,7 +135,7 @@ TRAINING_ARGUMENTS = types.MappingProxyType({
     "label_smoothing_factor": Rule(VERIFIED, f"the smoothed loss on shards against the unsharded rows' targets: "
                                    f"{LOSS_TESTS}, {SFT_TESTS}, {DP_TESTS}", kinds=ROWS),
     "neftune_noise_alpha": Rule(VERIFIED, f"the noise of the run without CP, token by token: {NOISE_TESTS}", kinds=ROWS),
-    **_rules(VERIFIED, f"evaluation outputs gathered once per replica: {METRIC_TESTS}",
+    **_rules(VERIFIED, f"evaluation outputs gathered once per replica: {LOSS_TESTS}, {DP_TESTS}",
              "eval_accumulation_steps include_for_metrics batch_eval_metrics eval_do_concat_batches "
              "eval_use_gather_object bf16_full_eval", kinds=ROWS),
     "label_names": Rule(VERIFIED, f"the labels under their default name: {TRAINER_TESTS}; other names are not shifted "
@@ -182,14 +181,14 @@ SFT_CONFIG = types.MappingProxyType({
 })
 
 #: fields DPOConfig and GRPOConfig share
-_SCORING_SHARED = {
+_SCORING_SHARED = types.MappingProxyType({
     **_rules(INERT, "dataset and model preparation before training, the same with and without CP",
              "model_init_kwargs trust_remote_code pad_to_multiple_of"),
     "router_aux_loss_coef": Rule(INERT, "read only with output_router_logits, which DPO and GRPO refuse under CP"),
     "disable_dropout": Rule(INERT, "dropout masks are random draws with and without CP alike"),
     **_rules(INERT, "read only with sync_ref_model, which is refused", "ref_model_mixup_alpha ref_model_sync_steps"),
     "sync_ref_model": Rule(REFUSED, "TR-DPO's reference sync is not verified under CP"),
-}
+})
 
 #: ``DPOConfig``'s own fields (TRL 1.x)
 DPO_CONFIG = types.MappingProxyType({
@@ -211,7 +210,7 @@ DPO_CONFIG = types.MappingProxyType({
 GRPO_CONFIG = types.MappingProxyType({
     **_SCORING_SHARED,
     **_rules(VERIFIED, f"generation runs per replica as without CP, CP rank 0's completions shared with the others: "
-             f"{RL_TESTS}, tests/distributed/test_replica.py::test_cp_rank0_shares_completions_and_rng_state",
+             f"{RL_TESTS}, tests/distributed/test_replica.py::test_the_replica_view_gathers_over_replicas_and_shares_cp_rank0",
              "temperature top_p top_k min_p repetition_penalty generation_kwargs cache_implementation "
              "max_completion_length chat_template_kwargs max_tool_calling_iterations num_generations "
              "num_generations_eval generation_batch_size steps_per_generation shuffle_dataset "
