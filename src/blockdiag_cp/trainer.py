@@ -125,9 +125,14 @@ class BlockDiagCPMixin:
     batch is flattened to one packed row (`flatten_rows`) and sharded with
     `make_cp_blockdiag_batch_and_ctx`; the loss, the logged loss, the gradients and the
     evaluation results are those of the run without CP (Note [The loss under CP equals
-    the loss without CP]). Trainers whose batches are not language-model rows (TRL's
-    DPO, GRPO, KTO, reward, ...) and models with token mixers outside attention are
-    refused at construction.
+    the loss without CP]); so are the loss paths outside the model's own forward (label
+    smoothing, ``compute_loss_func``, TRL's losses, models with ``accepts_loss_kwargs=False``:
+    Note [Losses outside the model under CP] in hf/losses.py), an MoE router's load-balancing
+    loss (hf/moe.py) and NEFTune's noise (hf/neftune.py). Refused at construction, by name:
+    trainers that are neither trainers of rows nor TRL's DPO / GRPO, models with token mixers
+    outside attention, PEFT adapters that add virtual tokens, and every option of the
+    Trainer's or TRL's config the mixin has not verified (Note [Options the mixin has not
+    verified are refused] in hf/options.py).
     """
 
     def __init__(
