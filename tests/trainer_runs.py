@@ -56,6 +56,15 @@ def model(name: str):
             config = transformers.MixtralConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
                                                 output_router_logits=True, router_aux_loss_coef=0.5, **common)
             return transformers.MixtralForCausalLM(config)  # float32: the grouped expert matmul has no float64
+        elif name == "qwen3_vl":  # text rows through a VLM whose class says accepts_loss_kwargs=False
+            text = {**common, "intermediate_size": 64, "head_dim": 8, "rope_parameters": {
+                "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2], "mrope_interleaved": True}}
+            vision = dict(depth=1, hidden_size=16, num_heads=2, patch_size=2, spatial_merge_size=2, temporal_patch_size=2,
+                          in_channels=3, intermediate_size=16, out_hidden_size=32, num_position_embeddings=16,
+                          deepstack_visual_indexes=[0])
+            m = transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(
+                text_config=text, vision_config=vision, image_token_id=VOCAB - 2, video_token_id=VOCAB - 3,
+                vision_start_token_id=VOCAB - 4, vision_end_token_id=VOCAB - 5))
         else:
             raise ValueError(f"unknown model {name!r}")
     return m.to(torch.float64)

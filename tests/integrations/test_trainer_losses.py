@@ -33,8 +33,8 @@ def compare(pool, label, changes, reference_pool=None, tol=1e-6, param_tol=1e-6,
 @pytest.mark.slow
 def test_trainer_loss_paths_equal_the_run_without_cp(rank_pools):
     """transformers' Trainer at cp 2: label smoothing, two compute_loss_func (transformers' ForCausalLMLoss, and
-    a mean over rows of squared row means: no token sum), a model with accepts_loss_kwargs=False (its loss a
-    per-micro-batch mean); eval loss, compute_metrics' inputs, and the samplers and collators named."""
+    a mean over rows of squared row means: no token sum), Qwen3-VL on text rows (accepts_loss_kwargs=False: its
+    loss a per-micro-batch mean); eval loss, compute_metrics' inputs, and the samplers and collators named."""
     pool = rank_pools(2)
     compare(pool, "label_smoothing_factor, group_by_length, eval_accumulation_steps, include_for_metrics",
             {"metrics": True, "args": {"label_smoothing_factor": 0.1, "train_sampling_strategy": "group_by_length",
@@ -45,8 +45,8 @@ def test_trainer_loss_paths_equal_the_run_without_cp(rank_pools):
     compare(pool, "compute_loss_func=ForCausalLMLoss, batch_eval_metrics, eval_do_concat_batches=False",
             {"loss_func": "causal_lm", "metrics": True,
              "args": {"batch_eval_metrics": True, "eval_do_concat_batches": False}})
-    compare(pool, "accepts_loss_kwargs=False, average_tokens_across_devices=False, bf16_full_eval",
-            {"accepts_loss_kwargs": False, "args": {"average_tokens_across_devices": False, "bf16_full_eval": True}},
+    compare(pool, "Qwen3-VL text rows (accepts_loss_kwargs=False), average_tokens_across_devices=False, bf16_full_eval",
+            {"model": "qwen3_vl", "args": {"average_tokens_across_devices": False, "bf16_full_eval": True}},
             eval_tol=1e-4)  # the evaluation in bf16: its rounding
 
 
