@@ -275,7 +275,7 @@ class BlockDiagCPMixin:
             scaled = bool(self.args.average_tokens_across_devices and num_items_in_batch is not None
                           and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None))
             self._cp_step = step = dataclasses.replace(step, world_scaled=scaled)
-            if self._model_mean_loss(num_items_in_batch):
+            if step.targets is not None and self._model_mean_loss(num_items_in_batch):
                 inputs = {**inputs, "num_items_in_batch": step.replica_divisor(None)}
         counted = getattr(self, "_total_train_tokens", None)
         result = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)

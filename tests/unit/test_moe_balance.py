@@ -68,6 +68,42 @@ def test_an_unverified_family_is_refused_by_name():
         balance_settings(model, "in the test")
 
 
+class Wrapper(torch.nn.Module):
+    """What a PEFT wrapper looks like to `RouterBalance`: the causal-LM model inside, its forward delegated."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+
+    def get_base_model(self):
+        return self.inner
+
+    def forward(self, **kwargs):
+        return self.inner(**kwargs)
+
+
+def test_the_hooks_replace_the_loss_by_the_rows_and_find_the_model_inside_a_wrapper():
+    """One rank (no group), the router loss counted once (share 1), rows without an attention mask (as the
+    mixin passes them): the outputs the model gives with the mask, where the padding is left out."""
+    from blockdiag_cp.hf.moe import BalanceStep, RouterBalance
+
+    model = tiny("mixtral")
+    ids, mask, labels = rows()
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+    step = BalanceStep(mask.reshape(-1), None, 1.0)
+    wrapper = Wrapper(model)
+    RouterBalance(wrapper, lambda: step, "here").install()
+    unmasked = dict(input_ids=ids, labels=labels, output_router_logits=True)  # as under CP: no attention_mask
+    with torch.no_grad():
+        got = wrapper(**unmasked)
+        alone = model.__class__.forward(model, **unmasked)  # the forward without the hooks
+    torch.testing.assert_close(got.aux_loss, want.aux_loss, rtol=1e-6, atol=1e-7)
+    assert abs(float(alone.aux_loss - want.aux_loss)) > 1e-4  # the padding did count without the hooks
+    coef = model.router_aux_loss_coef
+    torch.testing.assert_close(got.loss - coef * got.aux_loss, alone.loss - coef * alone.aux_loss, rtol=1e-6, atol=1e-6)
+
+
 def shard_worker(rank, world):
     """Each rank's shard of one row's router logits: the replica's loss and its gradients, under CP."""
     g = torch.Generator().manual_seed(3)

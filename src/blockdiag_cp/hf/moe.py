@@ -161,7 +161,8 @@ class RouterBalance:
     """Replaces a model's load-balancing loss by the unsharded rows' inside CP steps (see the Note).
 
     Args:
-        model: the causal-LM model (its own forward, or TRL's fused head patched onto it).
+        model: the causal-LM model (its own forward, or TRL's fused head patched onto it); a PEFT
+            wrapper's (``get_base_model()``) is found inside it.
         step_of: returns the `BalanceStep` of the forward in flight, or None outside a CP step
             of rows (then the model's outputs pass unchanged).
         where: for the refusal message.
@@ -171,6 +172,8 @@ class RouterBalance:
     """
 
     def __init__(self, model, step_of: Callable[[], Optional[BalanceStep]], where: str) -> None:
+        if callable(getattr(model, "get_base_model", None)):  # a PEFT wrapper: the causal-LM model inside it
+            model = model.get_base_model()
         self.experts, self.top_k, self.coef = balance_settings(model, where)
         self.model, self.step_of = model, step_of
         self._router_logits: Optional[tuple[torch.Tensor, ...]] = None
