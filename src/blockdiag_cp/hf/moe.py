@@ -77,6 +77,11 @@ SWITCH_BALANCE = types.MappingProxyType({
     "jetmoe": SwitchBalance(coef="aux_loss_coef"),
     "minimax_m2": SwitchBalance(),
     "qwen3_next": SwitchBalance(),
+    "ernie4_5_moe": SwitchBalance(),
+    "flex_olmo": SwitchBalance(),
+    "laguna": SwitchBalance(),
+    "mellum": SwitchBalance(),
+    "lara_mini": SwitchBalance(),
 })
 
 
