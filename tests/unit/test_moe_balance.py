@@ -45,7 +45,12 @@ def rows():
     return ids, mask, ids.masked_fill(mask == 0, -100)
 
 
-@pytest.mark.parametrize("model_type", sorted(SWITCH_BALANCE))
+#: families checked in the fast loop (each further family imports its modeling module: the slow set)
+FAST_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss")
+
+
+@pytest.mark.parametrize("model_type", [t if t in FAST_FAMILIES else pytest.param(t, marks=pytest.mark.slow)
+                                        for t in sorted(SWITCH_BALANCE)])
 def test_shard_statistics_give_each_familys_own_loss(model_type):
     model = tiny(model_type)
     experts, top_k, coef = balance_settings(model, "here")
