@@ -42,6 +42,7 @@ DP_TESTS = "tests/integrations/test_trainer_losses.py::test_loss_normalization_a
 MOE_TESTS = "tests/integrations/test_trainer_losses.py::test_moe_router_loss_equals_the_run_without_cp"
 NOISE_TESTS = "tests/integrations/test_trainer_losses.py::test_neftune_noise_is_the_run_without_cps"
 RL_TESTS = "tests/integrations/test_trl_rl.py::test_grpo_under_cp_equals_grpo_without_cp"
+REPLICA_TESTS = "tests/distributed/test_replica.py::test_the_replica_view_gathers_over_replicas_and_shares_cp_rank0"
 DPO_TESTS = "tests/integrations/test_trl_rl.py::test_dpo_and_grpo_at_dp2_cp2_equal_the_runs_without_cp"
 READERS = "tests/integrations/test_trainer.py::test_every_cp_rank_reads_what_its_replica_reads_without_cp"
 
@@ -148,8 +149,10 @@ TRAINING_ARGUMENTS = types.MappingProxyType({
                                "splits each batch over every process, CP ranks included: leave it False",
                                ok=_accelerator_ok),
     "dataloader_in_order": Rule(REFUSED, "dataloader_in_order=False yields batches as workers finish them, so the CP "
-                                "ranks of a replica could read different batches: keep it True", ok=lambda v: v is not False),
-    "use_cache": Rule(REFUSED, "a KV cache filled by a packed CP row cannot be continued: keep use_cache=False for training"),
+                                "ranks of a replica could read different batches: keep it True",
+                                ok=lambda v: v is not False),
+    "use_cache": Rule(REFUSED, "a KV cache filled by a packed CP row cannot be continued: keep use_cache=False for "
+                      "training"),
     "auto_find_batch_size": Rule(REFUSED, "each rank would shrink its batch on its own out-of-memory error, so the CP "
                                  "ranks of a replica could read different batches: set the batch size"),
     **_rules(REFUSED, "not verified under CP (loss scaling and inf checks per rank); use bf16",
@@ -210,7 +213,7 @@ DPO_CONFIG = types.MappingProxyType({
 GRPO_CONFIG = types.MappingProxyType({
     **_SCORING_SHARED,
     **_rules(VERIFIED, f"generation runs per replica as without CP, CP rank 0's completions shared with the others: "
-             f"{RL_TESTS}, tests/distributed/test_replica.py::test_the_replica_view_gathers_over_replicas_and_shares_cp_rank0",
+             f"{RL_TESTS}, {REPLICA_TESTS}",
              "temperature top_p top_k min_p repetition_penalty generation_kwargs cache_implementation "
              "max_completion_length chat_template_kwargs max_tool_calling_iterations num_generations "
              "num_generations_eval generation_batch_size steps_per_generation shuffle_dataset "
