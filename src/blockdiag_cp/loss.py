@@ -128,6 +128,38 @@ def sum_per_document(values_1L: torch.Tensor, state: Optional[Any] = None) -> to
     return _SumOverGroup.apply(sums, state.group) if state.group is not None and state.world > 1 else sums
 
 
+def replicated_sum(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """`x` summed over `group`, as a value every rank then uses in its *own* copy of a loss.
+
+    Forward: an all-reduce (sum). Backward: an all-reduce (sum) of the gradients too, the
+    adjoint of the forward when each rank's loss depends on the sum: every rank's `x` gets
+    the gradient of the sum of all ranks' losses. So when each of the ``n`` ranks adds the
+    same ``f(sum)`` to its loss, the gradients summed over the ranks are ``n`` times the
+    gradient of one ``f(sum)`` (compare `sum_per_document`, whose identity backward gives
+    the gradient of one copy). Every rank of `group` must run the backward.
+    """
+    if group is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return x
+    return _ReplicatedSum.apply(x, group)
+
+
+class _ReplicatedSum(torch.autograd.Function):
+    """All-reduce (sum) over `group` forward and backward (see `replicated_sum`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 class _SumOverGroup(torch.autograd.Function):
     """All-reduce (sum) over `group` forward; identity backward (see `sum_per_document`)."""
 

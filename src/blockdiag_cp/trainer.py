@@ -61,9 +61,9 @@ of the run without CP.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
-from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 import torch
@@ -71,13 +71,19 @@ import torch.distributed as dist
 import transformers
 
 from . import hf  # noqa: F401  (registers attn_implementation="blockdiag_cp")
-from .step.batch import TrainCtx, check_seq_dims, make_cp_blockdiag_batch_and_ctx
+from .step.batch import check_seq_dims, make_cp_blockdiag_batch_and_ctx
 from .config import CPConfig
 from .errors import CPTypeError
+from .hf.losses import RowsStep, ShardLabelSmoother, UnshardedLossFunction, rescale_shard_mean, unshard_rows
+from .hf.model_checks import check_loss_inputs, refuse_virtual_tokens
+from .hf.moe import BalanceStep, RouterBalance, aux_loss_enabled
+from .hf.neftune import NeftuneUnderCP, NoiseRows
+from .hf.options import refuse_unverified_options
 from .hf.scoring import STEP_ONLY_KEYS, ScoringSession
 from .hf.replica import ReplicaAccelerator, first_cp_rank_rows, share_from_cp_rank0
-from .step.gather import gather_sequence
+from .loss import IGNORE_INDEX
 from .mixers import prepare_model, refuse_unrouted_mixers
+from .step.slot import current_step
 from .step.rows import flatten_rows
 
 logger = logging.getLogger(__name__)
@@ -103,21 +109,6 @@ SCORING_TRAINERS = frozenset({("trl.trainer.dpo_trainer", "DPOTrainer")})
 GENERATING_TRAINERS = frozenset({("trl.trainer.grpo_trainer", "GRPOTrainer")})
 
 
-@dataclass(frozen=True)
-class StepRows:
-    """The CP step of one batch and the collator's row shape, to unshard what the model returns.
-
-    Attributes:
-        ctx: the step (``ctx.state`` plans it).
-        rows: ``(B, S)`` of the batch before `flatten_rows` made it one row ``[1, B * S]``.
-        padding_mask: this rank's ``[1, L]`` mask of the step (True = padding).
-    """
-
-    ctx: TrainCtx
-    rows: tuple[int, int]
-    padding_mask: torch.Tensor
-
-
 class BlockDiagCPMixin:
     """Block-diagonal context parallelism for any `transformers.Trainer` subclass.
 
@@ -134,9 +125,14 @@ class BlockDiagCPMixin:
     batch is flattened to one packed row (`flatten_rows`) and sharded with
     `make_cp_blockdiag_batch_and_ctx`; the loss, the logged loss, the gradients and the
     evaluation results are those of the run without CP (Note [The loss under CP equals
-    the loss without CP]). Trainers whose batches are not language-model rows (TRL's
-    DPO, GRPO, KTO, reward, ...) and models with token mixers outside attention are
-    refused at construction.
+    the loss without CP]); so are the loss paths outside the model's own forward (label
+    smoothing, ``compute_loss_func``, TRL's losses, models with ``accepts_loss_kwargs=False``:
+    Note [Losses outside the model under CP] in hf/losses.py), an MoE router's load-balancing
+    loss (hf/moe.py) and NEFTune's noise (hf/neftune.py). Refused at construction, by name:
+    trainers that are neither trainers of rows nor TRL's DPO / GRPO, models with token mixers
+    outside attention, PEFT adapters that add virtual tokens, and every option of the
+    Trainer's or TRL's config the mixin has not verified (Note [Options the mixin has not
+    verified are refused] in hf/options.py).
     """
 
     def __init__(
@@ -154,6 +150,7 @@ class BlockDiagCPMixin:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         _refuse_accelerate_cp(getattr(training_args, "parallelism_config", None))
         _refuse_rank_aware_sampler(training_args, cp_size)
+        refuse_unverified_options(training_args, self._kind, type(self).__name__)
         _no_batch_dispatch(training_args)
         if self._kind == "generating":
             _generation_batch_per_replica(training_args, cp_size)
@@ -166,21 +163,66 @@ class BlockDiagCPMixin:
         self.dp_size = world // cp_size
         _refuse_uneven_replicas(self.accelerator.even_batches, self.args.dataloader_drop_last, self.dp_size)
         self.cp_mesh, self.dp_rank, self._dp_group = _cp_mesh(self.dp_size, cp_size, self.args.device)
-        self._cp_step: Optional[StepRows] = None
+        self._cp_step: Optional[RowsStep] = None
         self._scoring = ScoringSession(self.cp_mesh, self.cp_config)
+        where = f"in {type(self).__name__} (packed rows{' under CP' if cp_size > 1 else ''})"
         for model in self._scored_models():
+            refuse_virtual_tokens(model, where)
             prepare_model(model)  # supported hybrid mixers run per document inside the steps
-            refuse_unrouted_mixers(model, f"in {type(self).__name__} (packed rows{' under CP' if cp_size > 1 else ''})")
+            refuse_unrouted_mixers(model, where)
             _use_blockdiag_attention(model)
             if self._kind != "rows":
                 self._scoring.install(model)
         if self._kind != "rows" and cp_size > 1 and getattr(self, "aux_loss_enabled", False):
             raise ValueError("the MoE load-balancing loss (output_router_logits) is not additive over CP shards of a "
                              "scored row; turn it off or train without CP")
+        self._router_balance: Optional[RouterBalance] = None
+        if self._kind == "rows":
+            self._adopt_loss_paths(where)
         if self._kind == "generating" and cp_size > 1:
             from accelerate.utils import set_seed
 
             set_seed(self.args.seed + self.dp_rank)  # as the replica's process is seeded without CP (seed + its index)
+
+    def _adopt_loss_paths(self, where: str) -> None:
+        """Give every loss path of a trainer of rows the unsharded rows' targets and count (Note [Losses outside
+        the model under CP] in hf/losses.py; the router loss: Note in hf/moe.py), or refuse the model by name."""
+        model = self.accelerator.unwrap_model(self.model)
+        self._sft = any(cls.__module__ == "trl.trainer.sft_trainer" for cls in type(self).__mro__)
+        own_loss = self.compute_loss_func is None and self.label_smoother is None and not self._sft
+        check_loss_inputs(model, self.model_accepts_loss_kwargs, own_loss, where)
+        if self.label_smoother is not None:
+            from transformers.trainer_pt_utils import LabelSmoother
+
+            if type(self.label_smoother) is not LabelSmoother:
+                raise ValueError(f"{type(self.label_smoother).__name__} as label_smoother is not verified under the "
+                                 "mixin: use label_smoothing_factor (transformers' LabelSmoother)")
+            self.label_smoother = ShardLabelSmoother(self.label_smoother.epsilon, self._rows_step)
+        if self.compute_loss_func is not None:
+            self.compute_loss_func = UnshardedLossFunction(self.compute_loss_func, self._rows_step)
+        if aux_loss_enabled(model):
+            self._router_balance = RouterBalance(model, self._balance_step, where)
+            self._router_balance.install()
+
+    def _rows_step(self) -> Optional[RowsStep]:
+        """The CP step of rows in flight (its context entered), or None."""
+        step = self._cp_step
+        active = current_step()
+        return step if step is not None and active is not None and step.ctx.state is active else None
+
+    def _balance_step(self) -> Optional[BalanceStep]:
+        step = self._rows_step()
+        if step is None:
+            return None
+        share = 1.0 / step.cp if step.world_scaled else 1.0
+        return BalanceStep((~step.padding_mask).reshape(-1), step.ctx.state.group, share)
+
+    def _noise_rows(self) -> Optional[NoiseRows]:
+        step = self._rows_step()
+        if step is None:
+            return None
+        state = step.ctx.state
+        return NoiseRows(step.rows, state.positions, state.plan.padded_len)
 
     # -- the Trainer's hooks ------------------------------------------------------------
 
@@ -207,28 +249,61 @@ class BlockDiagCPMixin:
         batch = {k: v.to(self.args.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         primary = batch.get("input_ids", batch.get("inputs_embeds"))
         rows = tuple(primary.shape[:2]) if isinstance(primary, torch.Tensor) and primary.dim() >= 2 else (1, 0)
+        labels = batch.get("labels")
         batch = flatten_rows(batch)
+        shifted = batch.get("shift_labels")
+        targets = (shifted != IGNORE_INDEX).sum() if isinstance(shifted, torch.Tensor) else None  # before sharding
         train_ctx, batch = make_cp_blockdiag_batch_and_ctx(self.cp_mesh, None, batch, config=self.cp_config,
                                                            seq_dims=self.seq_dims)
-        self._cp_step = StepRows(train_ctx, rows, batch["padding_mask"])
+        self._cp_step = RowsStep(train_ctx, rows, batch["padding_mask"], batch.get("shift_labels"), targets,
+                                 labels if isinstance(labels, torch.Tensor) else None)
         for key in STEP_ONLY_KEYS:
             batch.pop(key, None)
         return train_ctx, batch
 
-    def compute_loss(self, model, inputs, *args: Any, **kwargs: Any):
-        """The Trainer's (or TRL's) loss; TRL's logged ``num_tokens`` then counts the real tokens
-        of the step, not the padding the CP row adds. A scoring trainer's loss and metrics are
-        computed per replica (Note [Trainer code runs per replica, the model per CP rank])."""
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch: Any = None):
+        """The Trainer's (or TRL's) loss, every path of it normalized as without CP (Note [Losses outside the
+        model under CP] in hf/losses.py); TRL's logged ``num_tokens`` then counts the real tokens of the step,
+        not the padding the CP row adds. A scoring trainer's loss and metrics are computed per replica
+        (Note [Trainer code runs per replica, the model per CP rank])."""
         if self._kind != "rows":
             with self._scoring(), self._per_replica():
-                return super().compute_loss(model, inputs, *args, **kwargs)
+                return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                            num_items_in_batch=num_items_in_batch)
+        step = self._rows_step()
+        if step is not None:
+            scaled = bool(self.args.average_tokens_across_devices and num_items_in_batch is not None
+                          and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None))
+            self._cp_step = step = dataclasses.replace(step, world_scaled=scaled)
+            if step.targets is not None and self._model_mean_loss(num_items_in_batch):
+                inputs = {**inputs, "num_items_in_batch": step.replica_divisor(None)}
         counted = getattr(self, "_total_train_tokens", None)
-        result = super().compute_loss(model, inputs, *args, **kwargs)
-        step = self._cp_step
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if step is not None and self._fused_mean_loss(num_items_in_batch):
+            result = self._rescaled(result, step)
         if counted is not None and model.training and step is not None and self._total_train_tokens != counted:
             self._total_train_tokens = counted + _world_sum(int((~step.padding_mask).sum()), self.args.device)
             self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
         return result
+
+    def _model_mean_loss(self, num_items_in_batch: Any) -> bool:
+        """Whether the model's own loss is a per-micro-batch mean in flight (no token count for it)."""
+        return (not self._sft and not self.model_accepts_loss_kwargs and num_items_in_batch is None
+                and self.label_smoother is None and self.compute_loss_func is None)
+
+    def _fused_mean_loss(self, num_items_in_batch: Any) -> bool:
+        """Whether TRL's fused loss in flight divides by the shard's own count (no token count for it)."""
+        smoothing = self.label_smoother is not None and getattr(self.args, "loss_type", "nll") == "nll"
+        return self._sft and num_items_in_batch is None and self.compute_loss_func is None and not smoothing
+
+    def _rescaled(self, result: Any, step: RowsStep) -> Any:
+        """TRL's fused shard mean -> this rank's share of the replica's mean; the router loss it added stays."""
+        loss = result[0] if isinstance(result, tuple) else result
+        kept = None
+        if self._router_balance is not None and self._router_balance.last_aux is not None:
+            kept = getattr(self, "router_aux_loss_coef", 0.0) * self._router_balance.last_aux
+        loss = rescale_shard_mean(loss, step, kept)
+        return (loss, *result[1:]) if isinstance(result, tuple) else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The Trainer's prediction step; under CP, each CP rank then holds its replica's loss (the
@@ -247,7 +322,7 @@ class BlockDiagCPMixin:
             dist.all_reduce(loss, group=step.ctx.state.group)
             loss = loss / step.ctx.state.world
         if logits is not None:
-            logits = _unshard_rows(logits, step)
+            logits = unshard_rows(logits, step)
         return loss, logits, labels
 
     def evaluation_loop(self, *args: Any, **kwargs: Any):
@@ -256,6 +331,21 @@ class BlockDiagCPMixin:
             use_objects = getattr(self.args, "eval_use_gather_object", False)
             self.gather_function = functools.partial(self._gather_over_replicas, use_gather_object=use_objects)
         return super().evaluation_loop(*args, **kwargs)
+
+    def train(self, *args: Any, **kwargs: Any):
+        """The Trainer's training; with ``neftune_noise_alpha``, NEFTune's noise is the run without CP's
+        (Note [NEFTune under CP] in hf/neftune.py) in place of the Trainer's hook, which sizes it by the shard."""
+        alpha = self.neftune_noise_alpha
+        if alpha is None or self._kind != "rows":
+            return super().train(*args, **kwargs)
+        embeddings = self.accelerator.unwrap_model(self.model).get_input_embeddings()
+        handle = embeddings.register_forward_hook(NeftuneUnderCP(alpha, self._noise_rows))
+        self.neftune_noise_alpha = None
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            handle.remove()
+            self.neftune_noise_alpha = alpha
 
     def floating_point_ops(self, inputs) -> int:
         """This rank's share of the batch's FLOPs: the ``cp`` ranks of a replica split it."""
@@ -312,12 +402,10 @@ class BlockDiagCPMixin:
     def _gather_over_replicas(self, data, use_gather_object: bool = False):
         """``gather_for_metrics`` over the dp replicas: the world's gather, one CP rank per replica,
         then the last batch trimmed to the dataset's remainder."""
-        from accelerate.utils import gather_object, recursively_apply
+        from accelerate.utils import recursively_apply
 
         if use_gather_object:
-            gathered = gather_object(data if isinstance(data, list) else [data])
-            per_rank = len(gathered) // self.args.world_size
-            data = [x for r in range(0, self.args.world_size, self.cp_size) for x in gathered[r * per_rank:(r + 1) * per_rank]]
+            data = _gather_objects_over_replicas(data, self.args.world_size, self.cp_size)
         else:
             keep = functools.partial(first_cp_rank_rows, dp=self.dp_size, cp=self.cp_size)
             data = recursively_apply(keep, self.accelerator.gather(data))
@@ -443,27 +531,13 @@ def _world_sum(value: int, device: torch.device) -> int:
     return int(total)
 
 
-def _unshard_rows(outputs, step: StepRows):
-    """Each ``[1, L, ...]`` tensor of `outputs` (nested) -> the unsharded ``[B, S, ...]`` of the collator's rows.
-
-    Padding positions of the rows (``attention_mask`` 0) attend to nothing under CP, so they
-    hold -100, the Trainer's own fill for predictions (without CP they hold the output of a
-    pad token attending across its row, which no metric should read either).
-    """
-    from accelerate.utils import recursively_apply
-
-    B, S = step.rows
-    state = step.ctx.state
-    padding_S = (state.geometry.doc_ids[: state.plan.seq_len] == 0).to(state.device)
-
-    def unshard(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() < 2 or t.shape[0] != 1 or t.shape[1] != state.local_len:
-            return t
-        full = gather_sequence(t, 1, state=state)
-        return full.masked_fill(padding_S.view(1, -1, *[1] * (t.dim() - 2)), -100).reshape(B, S, *t.shape[2:])
-
-    with torch.no_grad():
-        return recursively_apply(unshard, outputs)
+def _gather_objects_over_replicas(data: Any, world: int, cp: int) -> Any:
+    """accelerate's ``gather_object`` as the dp replicas' processes run it without CP: one replica (one
+    process, nothing distributed) gets its object back; several get every replica's items, flattened."""
+    objects: list[Any] = [None] * world
+    dist.all_gather_object(objects, data)
+    replicas = objects[::cp]
+    return replicas[0] if len(replicas) == 1 else [item for obj in replicas for item in obj]
 
 
 def _shard_over_dp(dataloader, dp: int, dp_rank: int, cp: int):

@@ -5,6 +5,12 @@
     vlm.py        make_cp_vlm_batch_and_ctx: a packed vision-language row to a sharded CP step
     load.py       from_pretrained / from_config: the implementation set and the model prepared
     scoring.py    ScoringSession: TRL's fused-head scoring forwards on padded rows, as one packed row under CP
+    replica.py    a dp replica's view of the accelerator, for DPO / GRPO code under CP
+    losses.py     the Trainer's and TRL's loss paths outside the model, on the unsharded rows' targets and count
+    moe.py        an MoE router's load-balancing loss of the unsharded rows
+    neftune.py    NEFTune's noise as the run without CP draws it
+    options.py    every TrainingArguments / TRL config option: inert, verified, or refused when set
+    model_checks.py  refusals of models the mixin cannot train exactly (PEFT virtual tokens, loss inputs)
 
 `prepare_model(model)` (from `blockdiag_cp.mixers`) routes a hybrid model's supported token
 mixers per document, on packed rows and inside CP steps. The Trainer mixin is `blockdiag_cp.trainer`.

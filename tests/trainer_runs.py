@@ -1,0 +1,202 @@
+"""Trainer and SFTTrainer runs in-process, on the rank pool's gloo ranks (CP) or here (the run without CP).
+
+A run is described by a plain dict (`spec`, picklable for the pool) and returns what the
+comparisons read: the logged losses and grad norms, logged metrics, the eval loss and the
+final parameters. ``spec["cp"] = 0`` is transformers' ``Trainer`` / TRL's ``SFTTrainer``
+without blockdiag-cp (one process here, or plain DDP on pool ranks); ``cp >= 1`` mixes in
+`BlockDiagCPMixin`. Tiny float64 models with a 257-token vocabulary (TRL's byte tokenizer of
+examples/train_trl_sft.py pads with id 256), random documents with prompt tokens (-100 labels).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+import warnings
+
+import torch
+
+VOCAB = 257
+BASE = dict(steps=2, batch=3, accum=2, docs=24, eval_docs=6, lr=1e-2, prompt=0.5, collator="pad", evaluate=True)
+
+
+def spec(**changes) -> dict:
+    """A run: `BASE` with `changes` (``trainer``: "trainer" or "sft"; ``cp``; ``model``; ``args``: option overrides)."""
+    out = {**BASE, "trainer": "trainer", "cp": 0, "model": "llama", "args": {}, "loss_func": None,
+           "accepts_loss_kwargs": True, "sft": {}}
+    out.update(changes)
+    return out
+
+
+def documents(count: int, seed: int, prompt: float) -> list[dict]:
+    """Random byte documents (12 to 48 tokens); up to a `prompt` fraction of each is prompt (labels -100)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        n = rng.randint(12, 48)
+        ids = [rng.randrange(1, 256) for _ in range(n)]
+        cut = int(n * prompt * rng.random())
+        out.append({"input_ids": ids, "labels": [-100] * cut + ids[cut:],
+                    "completion_mask": [0] * cut + [1] * (n - cut)})
+    return out
+
+
+def model(name: str):
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if name == "llama":
+            m = transformers.LlamaForCausalLM(transformers.LlamaConfig(intermediate_size=64, **common))
+        elif name == "mixtral":
+            config = transformers.MixtralConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                                                output_router_logits=True, router_aux_loss_coef=0.5, **common)
+            return transformers.MixtralForCausalLM(config)  # float32: the grouped expert matmul has no float64
+        elif name == "qwen3_vl":  # text rows through a VLM whose class says accepts_loss_kwargs=False
+            text = {**common, "intermediate_size": 64, "head_dim": 8, "rope_parameters": {
+                "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2], "mrope_interleaved": True}}
+            vision = dict(depth=1, hidden_size=16, num_heads=2, patch_size=2, spatial_merge_size=2, temporal_patch_size=2,
+                          in_channels=3, intermediate_size=16, out_hidden_size=32, num_position_embeddings=16,
+                          deepstack_visual_indexes=[0])
+            m = transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(
+                text_config=text, vision_config=vision, image_token_id=VOCAB - 2, video_token_id=VOCAB - 3,
+                vision_start_token_id=VOCAB - 4, vision_end_token_id=VOCAB - 5))
+        else:
+            raise ValueError(f"unknown model {name!r}")
+    return m.to(torch.float64)
+
+
+def pad_collator(features: list[dict]) -> dict:
+    """Right-padded rows (pad id 256): input_ids, attention_mask, labels (-100 on padding)."""
+    longest = max(len(f["input_ids"]) for f in features)
+    ids = torch.full((len(features), longest), VOCAB - 1, dtype=torch.long)
+    labels = torch.full_like(ids, -100)
+    mask = torch.zeros_like(ids)
+    for i, f in enumerate(features):
+        n = len(f["input_ids"])
+        ids[i, :n], labels[i, :n], mask[i, :n] = torch.tensor(f["input_ids"]), torch.tensor(f["labels"]), 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def causal_lm_loss(outputs, labels, num_items_in_batch=None):
+    """A ``compute_loss_func``: transformers' ``ForCausalLMLoss`` on the rows."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss(outputs.logits, labels, VOCAB, num_items_in_batch=num_items_in_batch)
+
+
+def row_mean_loss(outputs, labels, num_items_in_batch=None):
+    """A ``compute_loss_func`` that is no token sum: the mean over rows of each row's squared mean token loss."""
+    logits, targets = outputs.logits[:, :-1].float(), labels[:, 1:]
+    per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+    counts = (targets != -100).sum(1).clamp(min=1)
+    return ((per_token.sum(1) / counts) ** 2).mean()
+
+
+LOSS_FUNCS = {"causal_lm": causal_lm_loss, "row_mean": row_mean_loss}
+
+
+def token_metrics(eval_pred, compute_result: bool = True) -> dict:
+    """A ``compute_metrics``: next-token accuracy, and sums of the inputs and losses it is given (if any)."""
+    import numpy as np
+
+    logits, labels = np.asarray(eval_pred.predictions), np.asarray(eval_pred.label_ids)
+    targets = labels[:, 1:]
+    mask = targets != -100
+    out = {"accuracy": float((logits.argmax(-1)[:, :-1] == targets)[mask].mean()), "targets": int(mask.sum())}
+    if eval_pred.inputs is not None:
+        inputs = np.asarray(eval_pred.inputs)
+        out["inputs"] = int(inputs[inputs != -100].sum())
+    if eval_pred.losses is not None:
+        out["losses"] = float(np.asarray(eval_pred.losses, dtype=np.float64).sum())
+    return out
+
+
+def byte_tokenizer():
+    import tokenizers
+    import transformers
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)} | {"<eos>": 256}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="<eos>"))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
+
+
+def common_args(s: dict, output_dir: str) -> dict:
+    return dict(output_dir=output_dir, per_device_train_batch_size=s["batch"], per_device_eval_batch_size=s["batch"],
+                gradient_accumulation_steps=s["accum"], learning_rate=s["lr"], max_steps=s["steps"], logging_steps=1,
+                save_strategy="no", report_to="none", seed=0, data_seed=0, use_cpu=True, disable_tqdm=True,
+                bf16=False, **s["args"])
+
+
+def build(s: dict, output_dir: str):
+    """The trainer of `s` (module docstring)."""
+    import transformers
+
+    m = model(s["model"])
+    if not s["accepts_loss_kwargs"]:
+        m.accepts_loss_kwargs = False
+    train, evaluation = documents(s["docs"], 0, s["prompt"]), documents(s["eval_docs"], 1, s["prompt"])
+    kw = dict(model=m, compute_loss_func=LOSS_FUNCS.get(s["loss_func"]),
+              compute_metrics=token_metrics if s.get("metrics") else None)
+    if s["trainer"] == "sft":
+        import datasets
+        import trl
+
+        datasets.disable_progress_bars()
+        config = trl.SFTConfig(**common_args(s, output_dir), **{"gradient_checkpointing": False, **s["sft"]})
+        kw.update(args=config, processing_class=byte_tokenizer(),
+                  train_dataset=datasets.Dataset.from_list(train), eval_dataset=datasets.Dataset.from_list(evaluation))
+        base = trl.SFTTrainer
+    else:
+        collator = transformers.DataCollatorWithFlattening() if s["collator"] == "flatten" else pad_collator
+        for d in train + evaluation:
+            d.pop("completion_mask")
+        kw.update(args=transformers.TrainingArguments(**common_args(s, output_dir)), train_dataset=train,
+                  eval_dataset=evaluation, data_collator=collator)
+        base = transformers.Trainer
+    if s["cp"] == 0:
+        m.set_attn_implementation("sdpa")
+        return base(**kw)
+    from blockdiag_cp.trainer import BlockDiagCPMixin
+
+    return type(f"CP{base.__name__}", (BlockDiagCPMixin, base), {})(cp_size=s["cp"], **kw)
+
+
+def run(s: dict) -> dict:
+    """Train (and evaluate) the run `s`; what the comparisons read."""
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = build(s, tmp)
+        trainer.train()
+        metrics = trainer.evaluate() if s["evaluate"] else {}
+    steps = [e for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
+    params = torch.cat([p.detach().double().reshape(-1) for p in trainer.model.parameters()])
+    return {"steps": steps, "eval_loss": metrics.get("eval_loss"), "params": params,
+            "metrics": {k: v for k, v in metrics.items() if not k.endswith(("runtime", "per_second"))}}
+
+
+def pool_run(rank: int, world: int, s: dict) -> dict:
+    """`run` on a rank of the pool: accelerate reads the launch from the environment (torchrun's variables)."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    return run(s)
+
+
+def assert_same(got: dict, want: dict, keys=("loss", "grad_norm"), tol: float = 1e-6, param_tol: float = 1e-6,
+                label: str = "", eval_tol: float | None = None) -> None:
+    """Every logged step's `keys` within `tol` relative, the eval loss within `eval_tol` (default `tol`), and
+    the parameters within `param_tol`."""
+    eval_tol = tol if eval_tol is None else eval_tol
+    assert len(got["steps"]) == len(want["steps"]) >= 2, (label, got["steps"], want["steps"])
+    for i, (a, b) in enumerate(zip(got["steps"], want["steps"]), 1):
+        for key in keys:
+            assert abs(a[key] - b[key]) <= tol * max(1.0, abs(b[key])), (label, "step", i, key, a[key], b[key])
+    if want["eval_loss"] is not None:
+        assert abs(got["eval_loss"] - want["eval_loss"]) <= eval_tol * abs(want["eval_loss"]), (
+            label, "eval_loss", got["eval_loss"], want["eval_loss"])
+    relative = float((got["params"] - want["params"]).norm() / want["params"].norm())
+    assert relative <= param_tol, (label, "parameters", relative)
