@@ -24,7 +24,7 @@ BASE = dict(steps=2, batch=3, accum=2, docs=24, eval_docs=6, lr=1e-2, prompt=0.5
 def spec(**changes) -> dict:
     """A run: `BASE` with `changes` (``trainer``: "trainer" or "sft"; ``cp``; ``model``; ``args``: option overrides)."""
     out = {**BASE, "trainer": "trainer", "cp": 0, "model": "llama", "args": {}, "loss_func": None,
-           "accepts_loss_kwargs": True, "sft": {}}
+           "accepts_loss_kwargs": True, "sft": {}, "whole_batch": False}
     out.update(changes)
     return out
 
@@ -163,7 +163,8 @@ def build(s: dict, output_dir: str):
         return base(**kw)
     from blockdiag_cp.trainer import BlockDiagCPMixin
 
-    return type(f"CP{base.__name__}", (BlockDiagCPMixin, base), {})(cp_size=s["cp"], **kw)
+    return type(f"CP{base.__name__}", (BlockDiagCPMixin, base), {})(cp_size=s["cp"], whole_batch=s["whole_batch"],
+                                                                   **kw)
 
 
 def run(s: dict) -> dict:

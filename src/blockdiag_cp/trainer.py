@@ -72,14 +72,17 @@ import transformers
 
 from . import hf  # noqa: F401  (registers attn_implementation="blockdiag_cp")
 from .step.batch import check_seq_dims, make_cp_blockdiag_batch_and_ctx
+from .step.world import make_cp_world_batch_and_ctx
 from .config import CPConfig
 from .errors import CPTypeError
+from .hf.metrics import FusedOutputs, kept_replicas, logged_metrics, replica_sums
 from .hf.losses import RowsStep, ShardLabelSmoother, UnshardedLossFunction, rescale_shard_mean, unshard_rows
 from .hf.model_checks import check_loss_inputs, refuse_virtual_tokens
 from .hf.moe import BalanceStep, RouterBalance, aux_loss_enabled
 from .hf.neftune import NeftuneUnderCP, NoiseRows
 from .hf.options import refuse_unverified_options
 from .hf.scoring import STEP_ONLY_KEYS, ScoringSession
+from .hf.whole_batch import refuse_per_replica_losses
 from .hf.replica import ReplicaAccelerator, first_cp_rank_rows, share_from_cp_rank0
 from .loss import IGNORE_INDEX
 from .mixers import prepare_model, refuse_unrouted_mixers
@@ -118,6 +121,11 @@ class BlockDiagCPMixin:
         cp_config: `CPConfig` for every step (exchange, kernel, layout).
         seq_dims: extra sequence-aligned batch keys and their sequence dimension,
             passed to `make_cp_blockdiag_batch_and_ctx` (e.g. ``{"per_layer_inputs": 1}``).
+        whole_batch: train each global micro-batch on all dp x cp ranks: every replica's
+            documents planned together (`make_cp_world_batch_and_ctx`; ``cp_config`` defaults
+            to ``CPConfig(layout="grouped")``), so no step waits for the heaviest replica. Loss,
+            gradients, logs and evaluation as without it; per-replica losses are refused
+            (Note [The whole-batch mode of the mixin] in hf/whole_batch.py).
         *args, **kwargs: passed to the Trainer unchanged.
 
     Every CP rank of a dp replica gets the batches that replica gets without CP, in the
@@ -137,7 +145,7 @@ class BlockDiagCPMixin:
 
     def __init__(
         self, *args: Any, cp_size: int = 1, cp_config: Optional[CPConfig] = None,
-        seq_dims: Optional[Mapping[str, int]] = None, **kwargs: Any,
+        seq_dims: Optional[Mapping[str, int]] = None, whole_batch: bool = False, **kwargs: Any,
     ) -> None:
         if isinstance(cp_size, bool) or not isinstance(cp_size, int):
             raise CPTypeError(f"cp_size must be an int, got {type(cp_size).__name__}")
@@ -145,6 +153,9 @@ class BlockDiagCPMixin:
             raise ValueError(f"cp_size must be >= 1, got {cp_size}")
         if cp_config is not None and not isinstance(cp_config, CPConfig):
             raise CPTypeError(f"cp_config must be a CPConfig, got {type(cp_config).__name__}")
+        if not isinstance(whole_batch, bool):
+            raise CPTypeError(f"whole_batch must be a bool, got {type(whole_batch).__name__}")
+        self.whole_batch = whole_batch
         self.seq_dims = check_seq_dims(seq_dims)
         self._kind = _trainer_kind(type(self))
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -159,10 +170,11 @@ class BlockDiagCPMixin:
         world = self.args.world_size
         if world % cp_size:
             raise ValueError(f"cp_size={cp_size} must divide the world size {world} (world = dp x cp)")
-        self.cp_size, self.cp_config = cp_size, CPConfig() if cp_config is None else cp_config
+        default = CPConfig(layout="grouped") if whole_batch else CPConfig()
+        self.cp_size, self.cp_config = cp_size, default if cp_config is None else cp_config
         self.dp_size = world // cp_size
         _refuse_uneven_replicas(self.accelerator.even_batches, self.args.dataloader_drop_last, self.dp_size)
-        self.cp_mesh, self.dp_rank, self._dp_group = _cp_mesh(self.dp_size, cp_size, self.args.device)
+        self.world_mesh, self.cp_mesh, self.dp_rank, self._dp_group = _cp_mesh(self.dp_size, cp_size, self.args.device)
         self._cp_step: Optional[RowsStep] = None
         self._scoring = ScoringSession(self.cp_mesh, self.cp_config)
         where = f"in {type(self).__name__} (packed rows{' under CP' if cp_size > 1 else ''})"
@@ -177,6 +189,10 @@ class BlockDiagCPMixin:
             raise ValueError("the MoE load-balancing loss (output_router_logits) is not additive over CP shards of a "
                              "scored row; turn it off or train without CP")
         self._router_balance: Optional[RouterBalance] = None
+        if whole_batch:
+            model = self.accelerator.unwrap_model(self.model)
+            refuse_per_replica_losses(self._kind, self.args, self.compute_loss_func, self.model_accepts_loss_kwargs,
+                                      aux_loss_enabled(model))
         if self._kind == "rows":
             self._adopt_loss_paths(where)
         if self._kind == "generating" and cp_size > 1:
@@ -203,6 +219,7 @@ class BlockDiagCPMixin:
         if aux_loss_enabled(model):
             self._router_balance = RouterBalance(model, self._balance_step, where)
             self._router_balance.install()
+        self._fused = FusedOutputs.install(model) if self._sft else FusedOutputs()
 
     def _rows_step(self) -> Optional[RowsStep]:
         """The CP step of rows in flight (its context entered), or None."""
@@ -253,8 +270,13 @@ class BlockDiagCPMixin:
         batch = flatten_rows(batch)
         shifted = batch.get("shift_labels")
         targets = (shifted != IGNORE_INDEX).sum() if isinstance(shifted, torch.Tensor) else None  # before sharding
-        train_ctx, batch = make_cp_blockdiag_batch_and_ctx(self.cp_mesh, None, batch, config=self.cp_config,
+        if self.whole_batch and model.training and self.world_mesh is not None:  # every replica's rows over all
+            # ranks (hf/whole_batch.py)
+            train_ctx, batch = make_cp_world_batch_and_ctx(self.world_mesh, batch, config=self.cp_config,
                                                            seq_dims=self.seq_dims)
+        else:
+            train_ctx, batch = make_cp_blockdiag_batch_and_ctx(self.cp_mesh, None, batch, config=self.cp_config,
+                                                               seq_dims=self.seq_dims)
         self._cp_step = RowsStep(train_ctx, rows, batch["padding_mask"], batch.get("shift_labels"), targets,
                                  labels if isinstance(labels, torch.Tensor) else None)
         for key in STEP_ONLY_KEYS:
@@ -278,13 +300,28 @@ class BlockDiagCPMixin:
             if step.targets is not None and self._model_mean_loss(num_items_in_batch):
                 inputs = {**inputs, "num_items_in_batch": step.replica_divisor(None)}
         counted = getattr(self, "_total_train_tokens", None)
+        self._fused.outputs = None
         result = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if self._sft and step is not None and self.args.world_size > 1 and self._fused.outputs is not None:
+            self._log_replica_metrics(self._fused.outputs, step, "train" if model.training else "eval")
         if step is not None and self._fused_mean_loss(num_items_in_batch):
             result = self._rescaled(result, step)
         if counted is not None and model.training and step is not None and self._total_train_tokens != counted:
             self._total_train_tokens = counted + _world_sum(int((~step.padding_mask).sum()), self.args.device)
             self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
         return result
+
+    def _log_replica_metrics(self, outputs: Any, step: RowsStep, mode: str) -> None:
+        """TRL's last logged entropy and token accuracy, as the replicas log them (Note in hf/metrics.py)."""
+        rows = step.ctx.replica_of_row
+        if rows is None:
+            rows = torch.full((step.ctx.state.local_len,), self.dp_rank, dtype=torch.long, device=self.args.device)
+        sums = replica_sums(outputs, rows, self.dp_size)
+        logged = self._metrics[mode]
+        if sums is None or not logged.get("entropy") or not logged.get("mean_token_accuracy"):
+            return
+        entropy, accuracy = logged_metrics(sums, kept_replicas(self.accelerator.gradient_state))
+        logged["entropy"][-1], logged["mean_token_accuracy"][-1] = entropy, accuracy
 
     def _model_mean_loss(self, num_items_in_batch: Any) -> bool:
         """Whether the model's own loss is a per-micro-batch mean in flight (no token count for it)."""
@@ -482,16 +519,16 @@ def _no_batch_dispatch(training_args) -> None:
 
 
 def _cp_mesh(dp: int, cp: int, device: torch.device):
-    """``(cp sub-mesh or None, dp rank, dp process group or None)`` of a ``(dp, cp)`` DeviceMesh over
-    the world (the dp group joins the ranks of this rank's CP index, one per replica)."""
+    """``(the (dp, cp) DeviceMesh, its cp sub-mesh, dp rank, dp process group)`` over the world (the dp group
+    joins the ranks of this rank's CP index, one per replica); Nones and 0 without torch.distributed."""
     if not (dist.is_available() and dist.is_initialized()):
         if dp * cp != 1:
             raise ValueError("cp_size > 1 needs torch.distributed: launch with torchrun")
-        return None, 0, None
+        return None, None, 0, None
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
-    return mesh["cp"], mesh.get_local_rank("dp"), mesh["dp"].get_group()
+    return mesh, mesh["cp"], mesh.get_local_rank("dp"), mesh["dp"].get_group()
 
 
 def _generation_batch_per_replica(training_args, cp: int) -> None:

@@ -137,9 +137,14 @@ def step_head_groups(doc_ids_S: torch.Tensor, world: int, rank: int, group: Any,
 
 @dataclass(frozen=True)
 class TrainCtx:
-    """``train_ctx()``: the context manager that makes this step the active one; ``.state`` is the step."""
+    """``train_ctx()``: the context manager that makes this step the active one; ``.state`` is the step.
+
+    ``replica_of_row``: under the whole-batch step (`make_cp_world_batch_and_ctx`), ``[L]`` the dp replica
+    each local row came from (-1: padding); None for a step of one row, whose rows are all its replica's.
+    """
 
     state: StepState
+    replica_of_row: Optional[torch.Tensor] = None
 
     def __call__(self) -> ContextManager[StepState]:
         return STEP_SLOT.activate(self.state)

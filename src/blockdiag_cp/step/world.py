@@ -130,7 +130,7 @@ def make_cp_world_batch_and_ctx(
     _move_rows(batch, doc_ids_1S[0], row, plan, view, padding_token_id, seq_dims)
     heads = step_head_groups(row.doc_ids, view.world, view.rank, view.group, config)
     state = build_step_state(row.doc_ids.to(device), view.world, view.rank, view.group, config, device, heads, plan)
-    return TrainCtx(state), batch
+    return TrainCtx(state, row.replica_of(plan.rank_positions(view.rank)).to(device)), batch
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,11 @@ class GlobalRow:
     @property
     def seq_len(self) -> int:
         return int(self.first[-1])
+
+    def replica_of(self, positions: torch.Tensor) -> torch.Tensor:
+        """``[n]`` int64: the replica each global position came from (-1 beyond the row: padding)."""
+        replica = torch.searchsorted(torch.from_numpy(self.first), positions, right=True) - 1
+        return torch.where(positions < self.seq_len, replica, -1)
 
     def sender(self, positions: np.ndarray, cp: int) -> tuple[np.ndarray, np.ndarray]:
         """``(replica, cp index)`` that sends each global position: a replica's real tokens split in `cp`
