@@ -127,8 +127,9 @@ def build_trainer(args: argparse.Namespace, output_dir: str):
     from blockdiag_cp import CPConfig
     from blockdiag_cp.trainer import BlockDiagCPTrainer
 
-    return BlockDiagCPTrainer(args=training_arguments(args, output_dir), cp_size=args.cp,
-                              cp_config=CPConfig(layout=args.layout, ulysses_degree=args.ulysses_degree), **common)
+    layout = "grouped" if args.whole_batch else args.layout
+    return BlockDiagCPTrainer(args=training_arguments(args, output_dir), cp_size=args.cp, whole_batch=args.whole_batch,
+                              cp_config=CPConfig(layout=layout, ulysses_degree=args.ulysses_degree), **common)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -164,6 +165,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--accum", type=int, default=2, help="gradient accumulation steps")
     p.add_argument("--collator", choices=("flatten", "pad"), default="flatten")
     p.add_argument("--layout", choices=("contiguous", "balanced"), default="balanced")
+    p.add_argument("--whole-batch", action="store_true",
+                   help="plan every replica's documents over all dp x cp ranks (the grouped layout) each step")
     p.add_argument("--ulysses-degree", type=int, default=1, help="head-parallel ranks inside each CP group")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--checkpointing", action="store_true")

@@ -60,7 +60,7 @@ def build_trainer(args: argparse.Namespace, output_dir: str):
     class CPSFTTrainer(BlockDiagCPMixin, trl.SFTTrainer):
         pass
 
-    return CPSFTTrainer(cp_size=args.cp, **common)
+    return CPSFTTrainer(cp_size=args.cp, whole_batch=args.whole_batch, **common)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -77,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cp", type=int, default=2, help="ranks per CP group; 0 = SFTTrainer without CP")
     p.add_argument("--dp", type=int, default=1, help="with --cp 0: how many dp replicas' batches one step takes")
+    p.add_argument("--whole-batch", action="store_true",
+                   help="plan every replica's documents over all dp x cp ranks (the grouped layout) each step")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--epochs", type=int, default=None, help="train whole epochs instead of --steps")
     p.add_argument("--batch", type=int, default=1, help="packed rows per replica per micro-batch")
