@@ -50,7 +50,7 @@ import typing as _typing
 if _typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is imported on first use
     from .attention import cp_blockdiag_sdpa
     from .config import CPConfig
-    from .plan import ShardPlan, plan_shards
+    from .plan import ShardPlan, StepCosts, plan_shards
     from .step.batch import make_cp_batch_and_ctx, make_cp_blockdiag_batch_and_ctx
     from .step.doc_ids import _cp_blockdiag_doc_ids, resolve_doc_ids
     from .step.gather import gather_sequence
@@ -63,6 +63,7 @@ __version__ = "0.9.0"
 __all__ = (
     "CPConfig",
     "ShardPlan",
+    "StepCosts",
     "StepState",
     "_cp_blockdiag_doc_ids",
     "cp_blockdiag_sdpa",
@@ -81,6 +82,7 @@ __all__ = (
 _HOMES = _types.MappingProxyType({
     "CPConfig": ".config",
     "ShardPlan": ".plan",
+    "StepCosts": ".plan.step_costs",
     "StepState": ".step.state",
     "_cp_blockdiag_doc_ids": ".step.doc_ids",
     "cp_blockdiag_sdpa": ".attention",
