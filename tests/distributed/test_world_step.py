@@ -56,14 +56,17 @@ def test_the_whole_batch_step_matches_each_rows_oracle(world, rank_pools):
     assert {r.exchange for r in auto} <= {"p2p", "halo", "a2a"}
 
 
-def test_unequal_shards_and_auto_point_to_point_at_world_four(rank_pools):
-    case = WorldCase(ROWS["long_and_short"], 2, kernel="sdpa")
-    per_rank = rank_pools(4).run(world_parity_worker, [case])
-    check_one = [results[0] for results in per_rank]
-    assert all(r.out_err < TOL and r.grad_err < TOL for r in check_one)
-    assert len({r.local_len for r in check_one}) > 1  # ranks own different numbers of positions
-    assert {r.exchange for r in check_one} == {"p2p"}
-    assert sum(r.tokens for r in check_one) == sum(n for row in case.rows for n in row if n > 0)  # padding left out
+def test_unequal_shards_on_every_exchange_at_world_four(rank_pools):
+    """The fast loop's share of the matrix: one row pair, unequal shards, each exchange once (auto: p2p)."""
+    cases = [WorldCase(ROWS["long_and_short"], 2, kernel="sdpa", kv_exchange=e, checkpoint=c)
+             for e, c in (("auto", None), ("allgather", None), ("a2a", None), ("ring", "non_reentrant"))]
+    per_rank = rank_pools(4).run(world_parity_worker, cases)
+    for i, case in enumerate(cases):
+        ran = [results[i] for results in per_rank]
+        assert all(r.out_err < TOL and r.grad_err < TOL for r in ran), (case.kv_exchange, ran)
+        assert len({r.local_len for r in ran}) > 1  # ranks own different numbers of positions
+        assert {r.exchange for r in ran} == {"p2p" if case.kv_exchange == "auto" else case.kv_exchange}
+        assert sum(r.tokens for r in ran) == sum(n for row in case.rows for n in row if n > 0)  # padding left out
 
 
 def bad_input_worker(rank, world, what):
@@ -101,6 +104,49 @@ def test_bad_input_raises_on_every_rank(what, message, rank_pools):
         assert "batch size must be 1" in errors[2]
         errors = errors[:2] + errors[3:]
     assert all(message in e for e in errors), errors
+
+
+def shard_worker(rank, world):
+    """This rank's shard of two replica rows with every sequence key, and where its positions came from."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from blockdiag_cp import make_cp_world_batch_and_ctx
+    from blockdiag_cp.loss import add_shift_labels
+    from blockdiag_cp.testing import doc_ids_from_lengths
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "cp"))
+    d = mesh.get_local_rank("dp")
+    ids = doc_ids_from_lengths(((3, -2, 5), (1, 1, 1, 1))[d])
+    S = ids.numel()
+    batch = add_shift_labels({"input_ids": 100 * (d + 1) + torch.arange(S)[None], "_packed_seq_ids": ids[None],
+                              "position_ids": torch.stack([torch.arange(S)[None] + 1000 * d] * 3),
+                              "labels": 100 * (d + 1) + torch.arange(S)[None]})
+    ctx, shard = make_cp_world_batch_and_ctx(mesh, batch, padding_token_id=7)
+    return {k: v for k, v in shard.items() if isinstance(v, torch.Tensor)}, ctx.replica_of_row, ctx.state.positions
+
+
+def test_every_sequence_key_moves_with_its_token_and_padding_positions_fill_as_the_seed_fills(rank_pools):
+    """World 2, one replica per rank: the global row is replica 0's 8 real tokens then replica 1's 4 (1-token
+    documents: no targets); each key of each shard row is the replica's value at that token (mRoPE positions
+    and next-token targets included); a padding position holds the seed's fill; `replica_of_row` names each
+    row's replica."""
+    origin = [(0, p) for p in (0, 1, 2, 5, 6, 7, 8, 9)] + [(1, p) for p in range(4)]  # global row -> (replica, pos)
+    for ids_of, replica_of_row, positions in rank_pools(2).run(shard_worker):
+        for row, g in enumerate(positions.tolist()):
+            if g >= len(origin):
+                assert int(ids_of["input_ids"][0, row]) == 7 and int(ids_of["labels"][0, row]) == -100
+                assert bool(ids_of["padding_mask"][0, row]) and int(replica_of_row[row]) == -1
+                continue
+            d, p = origin[g]
+            assert int(ids_of["input_ids"][0, row]) == 100 * (d + 1) + p
+            assert int(ids_of["labels"][0, row]) == 100 * (d + 1) + p
+            assert int(ids_of["position_ids"][1, 0, row]) == 1000 * d + p
+            assert int(replica_of_row[row]) == d and not bool(ids_of["padding_mask"][0, row])
+            assert int(ids_of["_packed_seq_ids"][0, row]) > 0
+            target = int(ids_of["shift_labels"][0, row])  # the next token of its own document, or -100 at its end
+            last = g + 1 == len(origin) or origin[g + 1][0] != d or origin[g + 1][1] != p + 1 or (d, p) == (0, 2)
+            assert target == (-100 if last or d == 1 else 100 * (d + 1) + p + 1), (g, target)
 
 
 def test_a_mesh_that_is_not_a_device_mesh_is_refused():
