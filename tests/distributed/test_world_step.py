@@ -175,3 +175,30 @@ def test_spawned_ranks_run_it_too():
     """A fresh spawn (not the pool): the step's subgroup-free path on a new process group."""
     per_rank = spawn(world_parity_worker, 2, [WorldCase(((6, 20), (3, 3, 3)), 1)])
     assert all(r.out_err < TOL and r.grad_err < TOL for results in per_rank for r in results)
+
+
+def tiny_worker(rank, world):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from blockdiag_cp import make_cp_world_batch_and_ctx
+    from blockdiag_cp.loss import add_shift_labels
+    from blockdiag_cp.testing import doc_ids_from_lengths
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    ids = doc_ids_from_lengths(((1, -2), (1,))[mesh.get_local_rank("dp")])
+    batch = add_shift_labels({"input_ids": torch.full((1, ids.numel()), 5), "_packed_seq_ids": ids[None]})
+    ctx, shard = make_cp_world_batch_and_ctx(mesh, batch, padding_token_id=7)
+    return shard["input_ids"].tolist(), shard["shift_labels"].tolist(), shard["padding_mask"].tolist(), \
+        shard["position_ids"].tolist(), ctx.replica_of_row.tolist()
+
+
+def test_ranks_beyond_the_tokens_hold_one_padding_position_each(rank_pools):
+    """Two real tokens over 4 ranks: two ranks hold one padding position, filled as the seed fills padding."""
+    out = rank_pools(4).run(tiny_worker)
+    real = [o for o in out if o[0] == [[5]]]
+    padding = [o for o in out if o[0] == [[7]]]
+    assert len(real) == 2 and len(padding) == 2
+    for ids, targets, mask, positions, replica in padding:
+        assert targets == [[-100]] and mask == [[True]] and positions == [[0]] and replica == [-1]
+    assert sorted(o[4] for o in real) == [[0], [1]] and all(o[2] == [[False]] for o in real)
