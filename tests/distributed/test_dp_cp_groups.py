@@ -1,6 +1,7 @@
-"""Reductions over one dimension of a (dp 2, cp 2) mesh at world 4, where a group is not the world:
-`parallel.reduce_gradients` (sum and average, over cp, dp, both flattened, or a plain process group)
-and `loss.sum_per_document` (each replica's own row, summed over its own CP group only)."""
+"""Collectives over one dimension of a (dp 2, cp 2) mesh at world 4, where a group is not the world:
+`parallel.reduce_gradients` (sum and average, over cp, dp, both flattened, or a plain process group),
+`loss.sum_per_document` (each replica's own row, summed over its own CP group only) and
+`hf.replica.share_from_cp_rank0` (CP rank 0 of each replica is global rank 0 or 2)."""
 
 import torch
 
@@ -22,7 +23,16 @@ def groups_worker(rank, world):
             param.grad = torch.full((3,), float(rank + 1))
             assert reduce_gradients([param], group, average=average) == 1
             reduced[name, average] = param.grad.tolist()
-    return mesh.get_local_rank("dp"), mesh.get_local_rank("cp"), reduced, per_document_sums(mesh)
+    return mesh.get_local_rank("dp"), mesh.get_local_rank("cp"), reduced, per_document_sums(mesh), shared(rank, mesh)
+
+
+def shared(rank, mesh):
+    """What `share_from_cp_rank0` gives this rank, and the next draws of its (shared) generator."""
+    from blockdiag_cp.hf.replica import share_from_cp_rank0
+
+    torch.manual_seed(100 + rank)  # every rank's generator differs before sharing
+    value = share_from_cp_rank0({"from": rank}, mesh["cp"].get_group())
+    return value, torch.rand(3)
 
 
 def per_document_sums(mesh):
@@ -46,7 +56,9 @@ def per_document_sums(mesh):
 def test_reductions_over_one_mesh_dimension_use_that_group_alone(rank_pools):
     results = rank_pools(4).run(groups_worker)
     grads = [rank + 1.0 for rank in range(4)]  # rank = 2 * dp + cp
-    for dp, cp, reduced, (positions, sums, value_grads) in results:
+    for dp, cp, reduced, (positions, sums, value_grads), (value, draws) in results:
+        assert value == {"from": 2 * dp}, value  # the replica's CP rank 0, with its generator state
+        assert torch.equal(draws, results[2 * dp][4][1]) and not torch.equal(draws, results[2 - 2 * dp][4][1])
         cp_sum, dp_sum = grads[2 * dp] + grads[2 * dp + 1], grads[cp] + grads[2 + cp]
         want = {("cp", False): cp_sum, ("cp", True): cp_sum / 2, ("dp", False): dp_sum, ("dp", True): dp_sum / 2,
                 ("dp_cp", False): 10.0, ("dp_cp", True): 2.5, ("cp_group", False): cp_sum, ("cp_group", True): cp_sum / 2}
@@ -58,5 +70,5 @@ def test_reductions_over_one_mesh_dimension_use_that_group_alone(rank_pools):
         assert value_grads == [float(row[g]) if g < len(row) else 0.0 for g in positions], (positions, value_grads)
     # the two CP ranks of a replica hold complementary positions of its row, the replicas other rows
     for dp in range(2):
-        held = sorted(g for d, _, _, (positions, _, _) in results if d == dp for g in positions)
+        held = sorted(g for d, _, _, (positions, _, _), _ in results if d == dp for g in positions)
         assert held == list(range(20))
