@@ -162,3 +162,24 @@ def test_the_chunked_scan_is_the_token_loop_from_any_state(length, chunk):
     want = ssd_oracle(x, dt, A_SSD, B, C, initial_state=start)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_the_chunked_kernels_compute_half_precision_in_float32_and_return_its_dtype():
+    """bfloat16 inputs: the outputs come back in bfloat16 (the final state in float32, as computed) and
+    equal the float64 token loop on the same bfloat16 values to float32 accuracy, rounded once."""
+    g = torch.Generator().manual_seed(0)
+    T = 70
+    bf = lambda *shape, scale=1.0: (scale * torch.randn(*shape, generator=g)).to(torch.bfloat16)  # noqa: E731
+    q, k, v = bf(1, T, 2, 4), bf(1, T, 2, 4), bf(1, T, 4, 3)
+    decay, beta = -bf(1, T, 4, scale=0.1).abs(), bf(1, T, 4).abs().clamp(max=1)
+    o, state = chunked_gated_delta_rule(q, k, v, decay, beta)
+    want_o, want_state = gated_delta_rule_oracle(*(t.double() for t in (q, k, v, decay, beta)))
+    assert (o.dtype, state.dtype) == (torch.bfloat16, torch.float32)
+    assert (o.double() - want_o).abs().max() <= 2 ** -8 * want_o.abs().max()
+    assert (state.double() - want_state).abs().max() < 1e-5
+    x, dt, B, C = bf(1, T, H, P), bf(1, T, H, scale=0.1).abs(), bf(1, T, G, N), bf(1, T, G, N)
+    y, state = chunked_ssd(x, dt, A_SSD.float(), B, C)
+    want_y, want_state = ssd_oracle(x.double(), dt.double(), A_SSD, B.double(), C.double())
+    assert (y.dtype, state.dtype) == (torch.bfloat16, torch.float32)
+    assert (y.double() - want_y).abs().max() <= 2 ** -8 * want_y.abs().max()
+    assert (state.double() - want_state).abs().max() < 1e-5
