@@ -183,3 +183,24 @@ def test_the_chunked_kernels_compute_half_precision_in_float32_and_return_its_dt
     assert (y.dtype, state.dtype) == (torch.bfloat16, torch.float32)
     assert (y.double() - want_y).abs().max() <= 2 ** -8 * want_y.abs().max()
     assert (state.double() - want_state).abs().max() < 1e-5
+
+
+def test_piece_buckets_run_the_chunks_each_piece_would_run_alone():
+    """Pieces batched in one bucket are padded to its longest: each must run the chunk size and the number
+    of chunks it would run alone (no piece pays for a longer one's chunks), and every piece is in one bucket."""
+    from blockdiag_cp.mixers.chunked import CHUNK, _chunk_for
+    from blockdiag_cp.mixers.recurrence import _buckets
+
+    lengths = [1, 2, 3, 4, 5, 17, 32, 33, 63, 64, 65, 100, 128, 129, 200, 7, 1, 64]
+    buckets = _buckets(lengths)
+    assert sorted(i for bucket in buckets for i in bucket) == list(range(len(lengths)))
+
+    def chunks(n, padded_to):
+        size = _chunk_for(padded_to, CHUNK)
+        return size, -(-padded_to // size) if n else 0
+
+    for bucket in buckets:
+        longest = max(lengths[i] for i in bucket)
+        assert all(chunks(lengths[i], longest) == chunks(lengths[i], lengths[i]) for i in bucket), \
+            [lengths[i] for i in bucket]
+    assert len(buckets) == len({chunks(n, n) for n in lengths})  # and pieces that can share a bucket do
