@@ -19,7 +19,7 @@ from blockdiag_cp.testing import doc_ids_from_lengths, gated_delta_rule_oracle, 
 ROWS = {
     "mixed documents": (5, 1, 23, 2, 40, 9),
     "one document over every rank": (75,),
-    "padding-only rank": (7, -50, 6),
+    "padding-only rank": (-45, 7, -5, 6),  # rank 0 of 2 and ranks 0-1 of 3 (contiguous): padding alone
 }
 HK, HV, DK, DV = 2, 4, 4, 3  # delta rule: key heads, value heads, key and value sizes
 G, H, P, N = 2, 4, 3, 5  # scan: groups, heads, head size, state size

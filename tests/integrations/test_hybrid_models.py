@@ -299,6 +299,11 @@ def bytes_worker(rank, world):
             delta = MixerShape("gated_delta", conv_width=4, conv_channels=2 * 2 * 8 + 4 * 8, heads=4, key_heads=2,
                                key_dim=8, value_dim=8)
             out[name] = state.mixer_bytes_per_layer(delta, torch.float32)
+            # Mamba2 (4 heads of 8, 2 groups of state 8: conv over x, B, C) and LFM2's conv, in bfloat16
+            mamba = MixerShape("mamba2", conv_width=4, conv_channels=4 * 8 + 2 * 2 * 8, heads=4, key_heads=2,
+                               key_dim=8, value_dim=8)
+            out[name, "mamba2"] = state.mixer_bytes_per_layer(mamba, torch.bfloat16)
+            out[name, "conv"] = state.mixer_bytes_per_layer(MixerShape("conv", 3, 64), torch.bfloat16)
     return out
 
 
@@ -306,12 +311,22 @@ def test_mixer_bytes_do_not_grow_with_the_documents_and_are_far_below_head_paral
     """cp 2, contiguous: one boundary, so one straddling piece: up to 3 halo rows of 64 channels and one
     (P, B) of 4 x 8 x 16 in float32, each way; head parallelism moves half of every row."""
     for out in rank_pools(2).run(bytes_worker):
-        for name, got in out.items():
+        for name in ("one long document", "many short ones"):
+            got = out[name]
             halo_rows = 3 if name == "one long document" else 2  # that document starts 2 tokens before the cut
             assert got.halo.sent_fwd == halo_rows * 64 * 4, name
             assert got.state.sent_fwd == 4 * 8 * 16 * 4, name
             assert got.head_parallel.sent_fwd == 1000 * (64 + 8 + 32) * 4, name  # (W - 1) / W of 2000 rows
             assert got.sent == 2 * (halo_rows * 64 * 4 + 4 * 8 * 16 * 4)
+            # Mamba2 in bfloat16: halo rows in bf16; per head one log transition and a [P, N] state, in float32;
+            # head parallelism: x, B, C and dt in, y out
+            mamba = out[name, "mamba2"]
+            assert mamba.halo.sent_fwd == halo_rows * 64 * 2 and mamba.state.sent_fwd == 4 * (1 + 8 * 8) * 4, name
+            assert mamba.head_parallel.sent_fwd == 1000 * ((64 + 4) + 4 * 8) * 2, name
+            # a width-3 conv: 2 halo rows, no state; head parallelism: its channels in and out
+            conv = out[name, "conv"]
+            assert (conv.halo.sent_fwd, conv.state.sent_fwd) == (2 * 64 * 2, 0), name
+            assert conv.head_parallel.sent_fwd == 1000 * (64 + 64) * 2 and conv.halo.recv_bwd == 2 * 64 * 2, name
 
 
 @pytest.mark.parametrize("family", ["nemotron_h", pytest.param("lfm2", marks=pytest.mark.slow)])
