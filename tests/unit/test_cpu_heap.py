@@ -72,7 +72,9 @@ def test_kept_heap_reuses_freed_large_blocks():
 
 @pytest.mark.parametrize("name, value", [("MALLOC_MMAP_THRESHOLD_", "262144"),
                                          ("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=262144"),
-                                         ("LD_PRELOAD", "/usr/lib/libjemalloc.so.2")])
+                                         ("LD_PRELOAD", "/usr/lib/libjemalloc.so.2"),
+                                         ("LD_PRELOAD", "/lib/libfoo.so:/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4"),
+                                         ("LD_PRELOAD", "libmimalloc.so")])
 def test_environment_choice_is_left_alone(monkeypatch, name, value):
     monkeypatch.setenv(name, value)  # read at the call: no child process needed
     assert keep_cpu_heap() is False
