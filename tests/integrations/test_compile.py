@@ -382,3 +382,34 @@ def test_eager_under_compile_runs_the_function_eagerly_only_while_tracing():
     compiled = torch.compile(lambda x: host_side(x * 2) * 3, backend=BACKEND)
     assert [compiled(torch.ones(1)).item() for _ in range(2)] == [9.0, 9.0]
     assert calls == [False, False, False], calls  # once eagerly, then once per compiled call, never traced
+
+
+def test_a_kept_graph_goes_with_its_backward_or_its_handle():
+    """Note [One opaque op]: the op keeps its eager graph until its backward takes it (once: a second
+    backward is a clear error) or until the forward's outputs die without a backward."""
+    import gc
+
+    from blockdiag_cp import make_cp_blockdiag_batch_and_ctx
+    from blockdiag_cp.opaque import opaque_attention
+    from blockdiag_cp.step.slot import STEP_SLOT
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 20, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    ids = torch.tensor([[1] * 7 + [2] * 9 + [3] * 4])
+    train_ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": ids, "_packed_seq_ids": ids})
+    before = len(STEP_SLOT.kept)
+    with train_ctx():
+        out = opaque_attention("step", q, k, v)
+        assert len(STEP_SLOT.kept) == before + 1
+        out.sum().backward(retain_graph=True)
+        assert len(STEP_SLOT.kept) == before  # taken by its backward
+        with pytest.raises(RuntimeError, match="backward ran twice"):
+            out.sum().backward()
+        unused = opaque_attention("step", q, k, v)  # a forward whose backward never runs
+        assert len(STEP_SLOT.kept) == before + 1
+        del unused, out
+        gc.collect()
+        assert len(STEP_SLOT.kept) == before
+        with torch.no_grad():
+            opaque_attention("step", q, k, v)
+        assert len(STEP_SLOT.kept) == before  # nothing kept without gradients
