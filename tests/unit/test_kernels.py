@@ -185,3 +185,38 @@ def test_adjacent_unpadded_squares_are_one_slice_call_and_exact(keys_after):
                          torch.autograd.grad((ref * upstream).sum(), (q, k, v))):
         assert (got - want).abs().max() < 1e-12
     assert (out - ref).abs().max() < 1e-12
+
+
+def _remapped_key_gradients_equal_the_plain_ones(items, grad_rows, num_grad_rows):
+    from dataclasses import replace
+
+    remapped = replace(items, key_grad_rows=grad_rows, num_key_grad_rows=num_grad_rows)
+    kernel = SdpaKernel()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, items.num_q_rows, 16, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, items.num_k_rows, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    do = torch.randn(2, items.num_q_rows, 16, generator=gen, dtype=torch.float64)
+    grads = []
+    for table in (items, remapped):
+        calls = kernel.prepare(table, torch.device("cpu"))
+        o, lse, aux = kernel.forward(calls, q, k, v, CallOptions(0.25))
+        grads.append(kernel.backward(calls, do, q, k, v, o, lse, aux, CallOptions(0.25)))
+    (dq, dk, dv), (dq2, dk2, dv2) = grads
+    assert torch.equal(dq, dq2)
+    unused = sorted(set(range(num_grad_rows)) - set(grad_rows.tolist()))
+    for plain, mapped in ((dk, dk2), (dv, dv2)):
+        assert torch.allclose(mapped[:, grad_rows], plain, rtol=0, atol=1e-12)
+        assert torch.equal(mapped[:, unused], torch.zeros(2, len(unused), 16, dtype=torch.float64))
+
+
+def test_key_gradient_rows_shifted_as_one_slice_and_beside_padded_items():
+    """Note [Key gradients in the exchange's layout], the cases the reversed layout above does not reach:
+    gradient rows that follow each other (a slice written at another start, also by a call that adds),
+    and padded items whose pads must land in the gradient rows' own dummy row, not the buffer's."""
+    t = lambda *v: torch.tensor(v)  # noqa: E731
+    items = ItemTable(t(0, 5), t(4, 3), t(0, 0), t(6, 9), torch.tensor([True, True]), 8, 11)
+    _remapped_key_gradients_equal_the_plain_ones(items, torch.arange(11) + 2, 13)  # rows 0-1 unused
+    # a 9-token document (bucket 16) then a 3-token one (bucket 8, 5 pads); buffer row 0's gradient goes to
+    # row 12, the buffer's own pad row index
+    padded = ItemTable(t(0, 9), t(9, 3), t(0, 9), t(9, 3), torch.tensor([True, True]), 12, 12)
+    _remapped_key_gradients_equal_the_plain_ones(padded, torch.tensor([12, *range(1, 12)]), 13)
