@@ -47,7 +47,9 @@ FAMILIES = {
                         num_key_value_heads=2, head_dim=8, max_position_embeddings=128, mamba_num_heads=4,
                         mamba_head_dim=16, ssm_state_size=8, n_groups=2, conv_kernel=4, chunk_size=8,
                         layers_block_type=["linear_attention", "full_attention", "mlp"]), 1e-5, 1e-8),
-    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", dict(SMALL, head_dim=8, mamba_d_ssm=64, **MAMBA), 1e-5, 1e-8),
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM",  # its muP multipliers away from 1: the mixer applies them
+                  dict(SMALL, head_dim=8, mamba_d_ssm=64, ssm_in_multiplier=0.7, ssm_multipliers=[1.3, 0.8, 1.1, 0.9, 1.2],
+                       **MAMBA), 1e-5, 1e-8),
     "bamba": ("BambaConfig", "BambaForCausalLM", dict(SMALL, attn_layer_indices=[1], **MAMBA), 1e-5, 1e-8),
     "granite_hybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
                        dict(SMALL, num_local_experts=0, shared_intermediate_size=64,
