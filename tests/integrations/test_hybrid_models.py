@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 import blockdiag_cp.hf  # noqa: E402,F401  (registers "blockdiag_cp")
 from blockdiag_cp import make_cp_blockdiag_batch_and_ctx  # noqa: E402
 from blockdiag_cp.hf import prepare_model  # noqa: E402
+from blockdiag_cp.mixers.routing import ROW_MARKS  # noqa: E402
 
 LENGTHS = (2, 9, 1, 14, 3, 6)
 VOCAB = 64
@@ -127,6 +128,8 @@ def outside_a_step(family, marks="position_ids", checkpointing=False):
     ids, positions = packed_row()
     extra = cu_seq_lens() if marks == "cu_seq_lens_q" else {}
     logits = model(input_ids=ids, position_ids=positions, use_cache=False, **extra).logits
+    # each decoder layer took its row marks back from its mixers: none is left for a later call to read
+    assert all(getattr(m, ROW_MARKS, None) is None for m in model.modules())
     loss = loss_of(logits, ids)
     loss.backward()
     return logits.detach(), float(loss.detach()), [p.grad.clone() for p in model.parameters()]
