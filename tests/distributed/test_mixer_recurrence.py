@@ -19,7 +19,7 @@ from blockdiag_cp.testing import doc_ids_from_lengths, gated_delta_rule_oracle, 
 ROWS = {
     "mixed documents": (5, 1, 23, 2, 40, 9),
     "one document over every rank": (75,),
-    "padding-only rank": (7, -50, 6),
+    "padding-only rank": (-45, 7, -5, 6),  # rank 0 of 2 and ranks 0-1 of 3 (contiguous): padding alone
 }
 HK, HV, DK, DV = 2, 4, 4, 3  # delta rule: key heads, value heads, key and value sizes
 G, H, P, N = 2, 4, 3, 5  # scan: groups, heads, head size, state size
@@ -162,3 +162,45 @@ def test_the_chunked_scan_is_the_token_loop_from_any_state(length, chunk):
     want = ssd_oracle(x, dt, A_SSD, B, C, initial_state=start)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_the_chunked_kernels_compute_half_precision_in_float32_and_return_its_dtype():
+    """bfloat16 inputs: the outputs come back in bfloat16 (the final state in float32, as computed) and
+    equal the float64 token loop on the same bfloat16 values to float32 accuracy, rounded once."""
+    g = torch.Generator().manual_seed(0)
+    T = 70
+    bf = lambda *shape, scale=1.0: (scale * torch.randn(*shape, generator=g)).to(torch.bfloat16)  # noqa: E731
+    q, k, v = bf(1, T, 2, 4), bf(1, T, 2, 4), bf(1, T, 4, 3)
+    decay, beta = -bf(1, T, 4, scale=0.1).abs(), bf(1, T, 4).abs().clamp(max=1)
+    o, state = chunked_gated_delta_rule(q, k, v, decay, beta)
+    want_o, want_state = gated_delta_rule_oracle(*(t.double() for t in (q, k, v, decay, beta)))
+    assert (o.dtype, state.dtype) == (torch.bfloat16, torch.float32)
+    assert (o.double() - want_o).abs().max() <= 2 ** -8 * want_o.abs().max()
+    assert (state.double() - want_state).abs().max() < 1e-5
+    x, dt, B, C = bf(1, T, H, P), bf(1, T, H, scale=0.1).abs(), bf(1, T, G, N), bf(1, T, G, N)
+    y, state = chunked_ssd(x, dt, A_SSD.float(), B, C)
+    want_y, want_state = ssd_oracle(x.double(), dt.double(), A_SSD, B.double(), C.double())
+    assert (y.dtype, state.dtype) == (torch.bfloat16, torch.float32)
+    assert (y.double() - want_y).abs().max() <= 2 ** -8 * want_y.abs().max()
+    assert (state.double() - want_state).abs().max() < 1e-5
+
+
+def test_piece_buckets_run_the_chunks_each_piece_would_run_alone():
+    """Pieces batched in one bucket are padded to its longest: each must run the chunk size and the number
+    of chunks it would run alone (no piece pays for a longer one's chunks), and every piece is in one bucket."""
+    from blockdiag_cp.mixers.chunked import CHUNK, _chunk_for
+    from blockdiag_cp.mixers.recurrence import _buckets
+
+    lengths = [1, 2, 3, 4, 5, 17, 32, 33, 63, 64, 65, 100, 128, 129, 200, 7, 1, 64]
+    buckets = _buckets(lengths)
+    assert sorted(i for bucket in buckets for i in bucket) == list(range(len(lengths)))
+
+    def chunks(n, padded_to):
+        size = _chunk_for(padded_to, CHUNK)
+        return size, -(-padded_to // size) if n else 0
+
+    for bucket in buckets:
+        longest = max(lengths[i] for i in bucket)
+        assert all(chunks(lengths[i], longest) == chunks(lengths[i], lengths[i]) for i in bucket), \
+            [lengths[i] for i in bucket]
+    assert len(buckets) == len({chunks(n, n) for n in lengths})  # and pieces that can share a bucket do

@@ -65,3 +65,36 @@ def test_bad_reductions_are_clear_errors():
     with pytest.raises(ValueError, match="use_gather_object"):
         view.gather_for_metrics([1], use_gather_object=True)
     assert torch.equal(view.gather(torch.tensor(2.0)), torch.tensor([2.0]))
+
+
+def test_first_cp_rank_rows_keeps_cp_rank_0_of_each_replica_in_replica_order():
+    from blockdiag_cp.hf.replica import first_cp_rank_rows
+
+    dp, cp, n = 3, 2, 2
+    # what each world rank (dp rank * cp + cp rank) contributed: n rows of [rank, row, 0/1]
+    gathered = torch.tensor([[[rank, row, c] for c in (0, 1)] for rank in range(dp * cp) for row in range(n)])
+    kept = first_cp_rank_rows(gathered, dp, cp)
+    assert kept.shape == (dp * n, 2, 3)
+    assert kept[:, 0, :2].tolist() == [[0, 0], [0, 1], [2, 0], [2, 1], [4, 0], [4, 1]]
+    assert torch.equal(first_cp_rank_rows(torch.arange(8.0), 2, 4), torch.tensor([0.0, 4.0]))  # one row per rank
+
+
+def test_one_replicas_gather_reduce_and_last_batch_trim():
+    from blockdiag_cp.hf.replica import ReplicaAccelerator
+
+    accelerator = FakeAccelerator(0)
+    view = ReplicaAccelerator(accelerator, None, 1, 0)
+    assert (view.num_processes, view.process_index, view.device) == (1, 0, accelerator.device)
+    values = torch.tensor([1.0, 2.0, 3.0])
+    assert torch.equal(view.reduce(values, "sum", scale=2.0), values * 2)
+    assert torch.equal(view.reduce({"a": values}, "mean")["a"], values)
+    gathered = view.gather(values)
+    assert torch.equal(gathered, values) and gathered.data_ptr() != values.data_ptr()  # a copy, as a gather makes
+
+    class Trimmed(FakeAccelerator.gradient_state):
+        end_of_dataloader, remainder = True, 2
+
+    accelerator.gradient_state = Trimmed
+    assert torch.equal(view.gather_for_metrics({"v": values})["v"], values[:2])  # the dataset's last 2 samples
+    Trimmed.end_of_dataloader = False
+    assert torch.equal(view.gather_for_metrics(values), values)

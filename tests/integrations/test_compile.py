@@ -299,3 +299,114 @@ def test_attention_dropout_under_compile_draws_one_mask_for_a_layer_and_its_reco
     plain, checkpointed, other = run(False, 7), run(True, 7), run(False, 8)
     assert plain[0] == checkpointed[0] and plain[0] != other[0]
     assert max(float((a - b).abs().max()) for a, b in zip(plain[1], checkpointed[1])) < 1e-12
+
+
+@pytest.mark.filterwarnings("ignore:blockdiag-cp kernel='auto' uses 'dense'")
+def test_compiled_dropout_attention_draws_the_same_mask_under_any_checkpointing():
+    """The compiled drop-in with attention dropout in a world-1 step, checkpointed three ways: reentrant
+    (its forward runs without gradients, the recompute with them), non-reentrant around the compiled
+    function, and non-reentrant traced inside it. Each run's output and q/k/v gradients equal the run
+    without checkpointing from the same seed (one mask per forward and recompute); another seed differs."""
+    import torch._dynamo
+    from torch.utils.checkpoint import checkpoint
+
+    from blockdiag_cp import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    qkv = [torch.randn(1, 4, 20, 8, generator=g, dtype=torch.float64) for _ in range(3)]
+    ids = torch.tensor([[1] * 7 + [2] * 9 + [3] * 4])
+    train_ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": ids, "_packed_seq_ids": ids})
+
+    def attend(q, k, v):
+        return torch.sin(cp_blockdiag_sdpa(q * 1.5, k, v, dropout_p=0.3))
+
+    compiled = torch.compile(attend, backend=BACKEND, fullgraph=True)
+    inside = torch.compile(lambda q, k, v: checkpoint(attend, q, k, v, use_reentrant=False), backend=BACKEND)
+    runs = {"plain": compiled, "inside": inside,
+            "reentrant": lambda *t: checkpoint(compiled, *t, use_reentrant=True),
+            "non_reentrant": lambda *t: checkpoint(compiled, *t, use_reentrant=False)}
+
+    def run(how, seed):
+        q, k, v = (t.clone().requires_grad_() for t in qkv)
+        torch.manual_seed(seed)
+        with train_ctx():
+            out = runs[how](q, k, v)
+            out.square().sum().backward()
+        return [out.detach(), q.grad, k.grad, v.grad]
+
+    plain = run("plain", 7)
+    for how in ("reentrant", "non_reentrant", "inside"):
+        assert max(float((a - b).abs().max()) for a, b in zip(plain, run(how, 7))) < 1e-12, how
+    assert float((run("plain", 8)[0] - plain[0]).abs().max()) > 0.1  # a real mask: another seed, another output
+
+
+def test_the_opaque_ops_output_is_its_own_memory():
+    """The op's output may be reused in place (inductor writes into its buffers): it must share no memory
+    with the kept graph, whose kernel saved its own output for backward (the dense kernel does). Written
+    over after use, the gradients are unchanged."""
+    from blockdiag_cp import CPConfig, make_cp_blockdiag_batch_and_ctx
+    from blockdiag_cp.opaque import opaque_attention
+
+    g = torch.Generator().manual_seed(0)
+    qkv = [torch.randn(1, 4, 20, 8, generator=g, dtype=torch.float64) for _ in range(3)]
+    ids = torch.tensor([[1] * 7 + [2] * 9 + [3] * 4])
+    train_ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": ids, "_packed_seq_ids": ids},
+                                                   config=CPConfig(kernel="dense"))
+    weights, grads = torch.randn(1, 4, 20, 8, generator=g, dtype=torch.float64), []
+    for overwrite in (False, True):
+        q, k, v = (t.clone().requires_grad_() for t in qkv)
+        with train_ctx():
+            out = opaque_attention("step", q, k, v)
+            loss = (out * weights).sum()  # saves only the weights
+            if overwrite:
+                out.detach().fill_(0.0)  # as a compiler reusing the buffer would
+            loss.backward()
+        grads.append([t.grad for t in (q, k, v)])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_eager_under_compile_runs_the_function_eagerly_only_while_tracing():
+    """A decorated function called from compiled code runs as Python (it sees no tracing), on every call."""
+    from blockdiag_cp.eager import eager_under_compile
+
+    calls = []
+
+    @eager_under_compile
+    def host_side(x):
+        """docstring kept"""
+        calls.append(torch.compiler.is_compiling())
+        return x + (100.0 if torch.compiler.is_compiling() else 1.0)
+
+    assert host_side.__doc__ == "docstring kept" and host_side(torch.zeros(1)).item() == 1.0
+    compiled = torch.compile(lambda x: host_side(x * 2) * 3, backend=BACKEND)
+    assert [compiled(torch.ones(1)).item() for _ in range(2)] == [9.0, 9.0]
+    assert calls == [False, False, False], calls  # once eagerly, then once per compiled call, never traced
+
+
+def test_a_kept_graph_goes_with_its_backward_or_its_handle():
+    """Note [One opaque op]: the op keeps its eager graph until its backward takes it (once: a second
+    backward is a clear error) or until the forward's outputs die without a backward."""
+    from blockdiag_cp import make_cp_blockdiag_batch_and_ctx
+    from blockdiag_cp.opaque import opaque_attention
+    from blockdiag_cp.step.slot import STEP_SLOT
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 20, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    ids = torch.tensor([[1] * 7 + [2] * 9 + [3] * 4])
+    train_ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": ids, "_packed_seq_ids": ids})
+    before = len(STEP_SLOT.kept)
+    with train_ctx():
+        out = opaque_attention("step", q, k, v)
+        assert len(STEP_SLOT.kept) == before + 1
+        out.sum().backward(retain_graph=True)
+        assert len(STEP_SLOT.kept) == before  # taken by its backward
+        with pytest.raises(RuntimeError, match="backward ran twice"):
+            out.sum().backward()
+        unused = opaque_attention("step", q, k, v)  # a forward whose backward never runs
+        assert len(STEP_SLOT.kept) == before + 1
+        del unused, out  # the handle dies with the graph that saved it (reference counting, no collection)
+        assert len(STEP_SLOT.kept) == before
+        with torch.no_grad():
+            opaque_attention("step", q, k, v)
+        assert len(STEP_SLOT.kept) == before  # nothing kept without gradients

@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 import blockdiag_cp.hf  # noqa: E402,F401  (registers "blockdiag_cp")
 from blockdiag_cp import make_cp_blockdiag_batch_and_ctx  # noqa: E402
 from blockdiag_cp.hf import prepare_model  # noqa: E402
+from blockdiag_cp.mixers.routing import ROW_MARKS  # noqa: E402
 
 LENGTHS = (2, 9, 1, 14, 3, 6)
 VOCAB = 64
@@ -47,7 +48,9 @@ FAMILIES = {
                         num_key_value_heads=2, head_dim=8, max_position_embeddings=128, mamba_num_heads=4,
                         mamba_head_dim=16, ssm_state_size=8, n_groups=2, conv_kernel=4, chunk_size=8,
                         layers_block_type=["linear_attention", "full_attention", "mlp"]), 1e-5, 1e-8),
-    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", dict(SMALL, head_dim=8, mamba_d_ssm=64, **MAMBA), 1e-5, 1e-8),
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM",  # its muP multipliers away from 1: the mixer applies them
+                  dict(SMALL, head_dim=8, mamba_d_ssm=64, ssm_in_multiplier=0.7, ssm_multipliers=[1.3, 0.8, 1.1, 0.9, 1.2],
+                       **MAMBA), 1e-5, 1e-8),
     "bamba": ("BambaConfig", "BambaForCausalLM", dict(SMALL, attn_layer_indices=[1], **MAMBA), 1e-5, 1e-8),
     "granite_hybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
                        dict(SMALL, num_local_experts=0, shared_intermediate_size=64,
@@ -125,6 +128,8 @@ def outside_a_step(family, marks="position_ids", checkpointing=False):
     ids, positions = packed_row()
     extra = cu_seq_lens() if marks == "cu_seq_lens_q" else {}
     logits = model(input_ids=ids, position_ids=positions, use_cache=False, **extra).logits
+    # each decoder layer took its row marks back from its mixers: none is left for a later call to read
+    assert all(getattr(m, ROW_MARKS, None) is None for m in model.modules())
     loss = loss_of(logits, ids)
     loss.backward()
     return logits.detach(), float(loss.detach()), [p.grad.clone() for p in model.parameters()]
@@ -299,6 +304,11 @@ def bytes_worker(rank, world):
             delta = MixerShape("gated_delta", conv_width=4, conv_channels=2 * 2 * 8 + 4 * 8, heads=4, key_heads=2,
                                key_dim=8, value_dim=8)
             out[name] = state.mixer_bytes_per_layer(delta, torch.float32)
+            # Mamba2 (4 heads of 8, 2 groups of state 8: conv over x, B, C) and LFM2's conv, in bfloat16
+            mamba = MixerShape("mamba2", conv_width=4, conv_channels=4 * 8 + 2 * 2 * 8, heads=4, key_heads=2,
+                               key_dim=8, value_dim=8)
+            out[name, "mamba2"] = state.mixer_bytes_per_layer(mamba, torch.bfloat16)
+            out[name, "conv"] = state.mixer_bytes_per_layer(MixerShape("conv", 3, 64), torch.bfloat16)
     return out
 
 
@@ -306,12 +316,22 @@ def test_mixer_bytes_do_not_grow_with_the_documents_and_are_far_below_head_paral
     """cp 2, contiguous: one boundary, so one straddling piece: up to 3 halo rows of 64 channels and one
     (P, B) of 4 x 8 x 16 in float32, each way; head parallelism moves half of every row."""
     for out in rank_pools(2).run(bytes_worker):
-        for name, got in out.items():
+        for name in ("one long document", "many short ones"):
+            got = out[name]
             halo_rows = 3 if name == "one long document" else 2  # that document starts 2 tokens before the cut
             assert got.halo.sent_fwd == halo_rows * 64 * 4, name
             assert got.state.sent_fwd == 4 * 8 * 16 * 4, name
             assert got.head_parallel.sent_fwd == 1000 * (64 + 8 + 32) * 4, name  # (W - 1) / W of 2000 rows
             assert got.sent == 2 * (halo_rows * 64 * 4 + 4 * 8 * 16 * 4)
+            # Mamba2 in bfloat16: halo rows in bf16; per head one log transition and a [P, N] state, in float32;
+            # head parallelism: x, B, C and dt in, y out
+            mamba = out[name, "mamba2"]
+            assert mamba.halo.sent_fwd == halo_rows * 64 * 2 and mamba.state.sent_fwd == 4 * (1 + 8 * 8) * 4, name
+            assert mamba.head_parallel.sent_fwd == 1000 * ((64 + 4) + 4 * 8) * 2, name
+            # a width-3 conv: 2 halo rows, no state; head parallelism: its channels in and out
+            conv = out[name, "conv"]
+            assert (conv.halo.sent_fwd, conv.state.sent_fwd) == (2 * 64 * 2, 0), name
+            assert conv.head_parallel.sent_fwd == 1000 * (64 + 64) * 2 and conv.halo.recv_bwd == 2 * 64 * 2, name
 
 
 @pytest.mark.parametrize("family", ["nemotron_h", pytest.param("lfm2", marks=pytest.mark.slow)])

@@ -104,6 +104,28 @@ def test_an_unknown_hybrid_is_refused_by_structure_alone():
     assert unrouted_config_mixers(config) == ()
 
 
+class StepBias(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dt_bias = torch.nn.Parameter(torch.zeros(4))
+
+
+def test_every_sign_of_a_mixer_is_read():
+    """Each layer-type field, a module owning only ``dt_bias``, and the text config inside a composite one."""
+    for field in ("layer_types", "layers_block_type", "block_types"):
+        config = transformers.LlamaConfig(**SMALL)
+        setattr(config, field, ["attention", "mamba"])
+        (mixer,) = unrouted_config_mixers(config)
+        assert (mixer.kind, mixer.where) == ("mamba", f"config.{field}[1]"), field
+    (found,) = find_unrouted_mixers(torch.nn.Sequential(torch.nn.Linear(4, 4), StepBias()))
+    assert found.kind == "StepBias" and "dt_bias" in found.why
+    composite = transformers.Qwen2VLConfig(text_config=dict(SMALL))
+    assert unrouted_config_mixers(composite) == ()
+    composite.text_config.layer_types = ["full_attention", "linear_attention"]
+    (mixer,) = unrouted_config_mixers(composite)
+    assert mixer.kind == "linear_attention"
+
+
 def packed_batch(model, lengths=(9, 5, 11)):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, model.config.get_text_config().vocab_size, (1, sum(lengths)), generator=g)

@@ -130,3 +130,53 @@ def test_rows_with_images_are_refused():
     session.install(model)
     with session(), pytest.raises(ValueError, match="cannot shard pixel_values"):
         model(**padded_rows(), pixel_values=torch.zeros(1, 3, 4, 4), fused_lm_head=True)
+
+
+def test_the_loss_divides_by_the_rows_next_token_targets_as_trls_head_does():
+    """Rows labelled from their first token (as an SFT-style scorer labels them): TRL's own head, outside a
+    session, counts targets of the shifted labels; the session's loss divides by the same count."""
+    from blockdiag_cp import CPConfig
+    from blockdiag_cp.hf.scoring import ScoringSession
+
+    model = make_model("blockdiag_cp")
+    rows = padded_rows()
+    rows["labels"] = rows["input_ids"].masked_fill(rows["attention_mask"] == 0, -100)  # every real token
+    with torch.no_grad():
+        theirs = model(**rows, fused_lm_head=True)
+        session = ScoringSession(None, CPConfig())
+        session.install(model)
+        with session():
+            mine = model(**rows, fused_lm_head=True)
+    assert torch.allclose(mine.log_probs, theirs.log_probs, atol=1e-5)
+    assert torch.allclose(mine.loss, theirs.loss, atol=1e-5)
+    assert torch.allclose(mine.loss, -mine.log_probs.sum() / (rows["labels"][:, 1:] != -100).sum())
+
+
+def test_a_frozen_models_forward_leaves_nothing_pending():
+    """A reference model with frozen parameters, scored with gradients enabled, has no backward to wait for:
+    a forward on other rows afterwards is not refused."""
+    from blockdiag_cp import CPConfig
+    from blockdiag_cp.hf.scoring import ScoringSession
+
+    frozen = make_model("blockdiag_cp").requires_grad_(False)
+    session = ScoringSession(None, CPConfig())
+    session.install(frozen)
+    with session():
+        first = frozen(**padded_rows(), fused_lm_head=True)
+        other = frozen(**padded_rows((0, 6)), fused_lm_head=True)  # other rows
+    assert not first.log_probs.requires_grad and not torch.equal(first.log_probs, other.log_probs)
+
+
+def test_a_moe_load_balancing_loss_is_refused_across_cp_ranks():
+    """The router's auxiliary loss is not a sum over shards: a scoring forward under CP that returns one is
+    a ValueError (the session's output hook, as it sees a world-2 step's output)."""
+    from types import SimpleNamespace
+
+    from blockdiag_cp import CPConfig
+    from blockdiag_cp.hf.scoring import ScoringSession
+
+    session = ScoringSession(None, CPConfig())
+    with session():
+        session._step = SimpleNamespace(ctx=SimpleNamespace(state=SimpleNamespace(world=2)))
+        with pytest.raises(ValueError, match="load-balancing loss"):
+            session._post_hook(None, (), {"fused_lm_head": True}, SimpleNamespace(aux_loss=torch.tensor(0.1)))

@@ -157,28 +157,10 @@ def test_first_touch_calls_write_each_gradient_row_once_and_zero_only_the_rest()
 def test_sdpa_writes_key_gradients_in_the_exchanges_rows():
     """Note [Key gradients in the exchange's layout]: with `key_grad_rows`, buffer row j's dk/dv
     land in row key_grad_rows[j] (the same values), and gradient rows no buffer row maps to are 0."""
-    from dataclasses import replace
-
     t = lambda *v: torch.tensor(v)  # noqa: E731
     items = ItemTable(t(0, 5), t(4, 3), t(0, 0), t(6, 9), torch.tensor([True, True]), 8, 11)
     # a [local | received]-like layout of 13 rows: buffer rows reversed, rows 0 and 7 unused
-    grad_rows = torch.tensor([12, 11, 10, 9, 8, 6, 5, 4, 3, 2, 1])
-    remapped = replace(items, key_grad_rows=grad_rows, num_key_grad_rows=13)
-    kernel = SdpaKernel()
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(8, 2, 16, generator=gen, dtype=torch.float64).transpose(0, 1)
-    k, v = (torch.randn(11, 2, 16, generator=gen, dtype=torch.float64).transpose(0, 1) for _ in range(2))
-    do = torch.randn(2, 8, 16, generator=gen, dtype=torch.float64)
-    grads = []
-    for table in (items, remapped):
-        calls = kernel.prepare(table, torch.device("cpu"))
-        o, lse, aux = kernel.forward(calls, q, k, v, CallOptions(0.25))
-        grads.append(kernel.backward(calls, do, q, k, v, o, lse, aux, CallOptions(0.25)))
-    (dq, dk, dv), (dq2, dk2, dv2) = grads
-    assert torch.equal(dq, dq2) and dk2.shape == (2, 13, 16)
-    for plain, mapped in ((dk, dk2), (dv, dv2)):
-        assert torch.allclose(mapped[:, grad_rows], plain, rtol=0, atol=1e-12)
-        assert torch.equal(mapped[:, [0, 7]], torch.zeros(2, 2, 16, dtype=torch.float64))
+    _remapped_key_gradients_equal_the_plain_ones(items, torch.tensor([12, 11, 10, 9, 8, 6, 5, 4, 3, 2, 1]), 13)
 
 
 def test_item_table_rejects_shared_or_outside_key_gradient_rows():
@@ -218,3 +200,40 @@ def test_adjacent_unpadded_squares_are_one_slice_call_and_exact(keys_after):
                          torch.autograd.grad((ref * upstream).sum(), (q, k, v))):
         assert (got - want).abs().max() < 1e-12
     assert (out - ref).abs().max() < 1e-12
+
+
+def _remapped_key_gradients_equal_the_plain_ones(items, grad_rows, num_grad_rows):
+    """The sdpa kernel's dq and dk/dv with `items` as they are and with their key gradients in `grad_rows`
+    of `num_grad_rows` rows: the same values, moved; rows no buffer row maps to are 0. Token-major inputs."""
+    from dataclasses import replace
+
+    remapped = replace(items, key_grad_rows=grad_rows, num_key_grad_rows=num_grad_rows)
+    kernel = SdpaKernel()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(items.num_q_rows, 2, 16, generator=gen, dtype=torch.float64).transpose(0, 1)
+    k, v = (torch.randn(items.num_k_rows, 2, 16, generator=gen, dtype=torch.float64).transpose(0, 1) for _ in range(2))
+    do = torch.randn(2, items.num_q_rows, 16, generator=gen, dtype=torch.float64)
+    grads = []
+    for table in (items, remapped):
+        calls = kernel.prepare(table, torch.device("cpu"))
+        o, lse, aux = kernel.forward(calls, q, k, v, CallOptions(0.25))
+        grads.append(kernel.backward(calls, do, q, k, v, o, lse, aux, CallOptions(0.25)))
+    (dq, dk, dv), (dq2, dk2, dv2) = grads
+    assert torch.equal(dq, dq2) and dk2.shape == dv2.shape == (2, num_grad_rows, 16)
+    unused = sorted(set(range(num_grad_rows)) - set(grad_rows.tolist()))
+    for plain, mapped in ((dk, dk2), (dv, dv2)):
+        assert torch.allclose(mapped[:, grad_rows], plain, rtol=0, atol=1e-12)
+        assert torch.equal(mapped[:, unused], torch.zeros(2, len(unused), 16, dtype=torch.float64))
+
+
+def test_key_gradient_rows_shifted_as_one_slice_and_beside_padded_items():
+    """Note [Key gradients in the exchange's layout], the cases the reversed layout above does not reach:
+    gradient rows that follow each other (a slice written at another start, also by a call that adds),
+    and padded items whose pads must land in the gradient rows' own dummy row, not the buffer's."""
+    t = lambda *v: torch.tensor(v)  # noqa: E731
+    items = ItemTable(t(0, 5), t(4, 3), t(0, 0), t(6, 9), torch.tensor([True, True]), 8, 11)
+    _remapped_key_gradients_equal_the_plain_ones(items, torch.arange(11) + 2, 13)  # rows 0-1 unused
+    # a 9-token document (bucket 16) then a 3-token one (bucket 8, 5 pads); buffer row 0's gradient goes to
+    # row 12, the buffer's own pad row index
+    padded = ItemTable(t(0, 9), t(9, 3), t(0, 9), t(9, 3), torch.tensor([True, True]), 12, 12)
+    _remapped_key_gradients_equal_the_plain_ones(padded, torch.tensor([12, *range(1, 12)]), 13)

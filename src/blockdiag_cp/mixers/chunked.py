@@ -62,7 +62,7 @@ def chunked_gated_delta_rule(
     Returns:
         ``(o [B, T, Hv, dv] in v's dtype, final state [B, Hv, dk, dv])``.
     """
-    dtype = accumulate_dtype(v.dtype)
+    dtype, out_dtype = accumulate_dtype(v.dtype), v.dtype
     B, T, Hv, dv = v.shape
     q, k = (x.repeat_interleave(Hv // x.shape[2], dim=2) if x.shape[2] != Hv else x for x in (q, k))
     q, k, v, g, beta = (x.transpose(1, 2).to(dtype) for x in (q, k, v, g, beta))  # [B, H, T, ...]
@@ -91,7 +91,7 @@ def chunked_gated_delta_rule(
         last = ci[..., -1:]
         state = state * last.exp().unsqueeze(-1) + (ki * (last - ci).exp().unsqueeze(-1)).transpose(-1, -2) @ v_new
     o = torch.stack(outputs, dim=2).reshape(B, Hv, n * chunk, dv)[:, :, :T]
-    return o.transpose(1, 2).to(v.dtype), state
+    return o.transpose(1, 2).to(out_dtype), state
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -113,7 +113,7 @@ def chunked_ssd(
     Returns:
         ``(y [Bt, T, H, P] in x's dtype, without the D skip; final state [Bt, H, P, N])``.
     """
-    dtype = accumulate_dtype(x.dtype)
+    dtype, out_dtype = accumulate_dtype(x.dtype), x.dtype
     Bt, T, H, P = x.shape
     B, C = (m.repeat_interleave(H // m.shape[2], dim=2) for m in (B, C))
     x, dt, B, C = (t.transpose(1, 2).to(dtype) for t in (x, dt, B, C))  # [Bt, H, T, ...]
@@ -137,7 +137,7 @@ def chunked_ssd(
         carried = (xdt_i * (last - ci).exp().unsqueeze(-1)).transpose(-1, -2) @ Bi
         state = state * last.exp().unsqueeze(-1) + carried
     y = torch.stack(outputs, dim=2).reshape(Bt, H, n * chunk, P)[:, :, :T]
-    return y.transpose(1, 2).to(x.dtype), state
+    return y.transpose(1, 2).to(out_dtype), state
 
 
 def _chunk_for(T: int, chunk: int) -> int:
