@@ -127,9 +127,9 @@ def build_trainer(args: argparse.Namespace, output_dir: str):
     from blockdiag_cp import CPConfig
     from blockdiag_cp.trainer import BlockDiagCPTrainer
 
-    layout = "grouped" if args.whole_batch else args.layout
+    config = None if args.whole_batch else CPConfig(layout=args.layout, ulysses_degree=args.ulysses_degree)
     return BlockDiagCPTrainer(args=training_arguments(args, output_dir), cp_size=args.cp, whole_batch=args.whole_batch,
-                              cp_config=CPConfig(layout=layout, ulysses_degree=args.ulysses_degree), **common)
+                              cp_config=config, **common)  # whole batches: the grouped layout, the model's costs
 
 
 def run(args: argparse.Namespace) -> dict:

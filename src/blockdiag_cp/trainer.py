@@ -123,7 +123,8 @@ class BlockDiagCPMixin:
             passed to `make_cp_blockdiag_batch_and_ctx` (e.g. ``{"per_layer_inputs": 1}``).
         whole_batch: train each global micro-batch on all dp x cp ranks: every replica's
             documents planned together (`make_cp_world_batch_and_ctx`; ``cp_config`` defaults
-            to ``CPConfig(layout="grouped")``), so no step waits for the heaviest replica. Loss,
+            to ``CPConfig(layout="grouped")`` with ``StepCosts.from_config(model.config)``), so no
+            step waits for the heaviest replica. Loss,
             gradients, logs and evaluation as without it; per-replica losses are refused
             (Note [The whole-batch mode of the mixin] in hf/whole_batch.py).
         *args, **kwargs: passed to the Trainer unchanged.
@@ -170,7 +171,7 @@ class BlockDiagCPMixin:
         world = self.args.world_size
         if world % cp_size:
             raise ValueError(f"cp_size={cp_size} must divide the world size {world} (world = dp x cp)")
-        default = CPConfig(layout="grouped") if whole_batch else CPConfig()
+        default = _whole_batch_config(self.model) if whole_batch else CPConfig()
         self.cp_size, self.cp_config = cp_size, default if cp_config is None else cp_config
         self.dp_size = world // cp_size
         _refuse_uneven_replicas(self.accelerator.even_batches, self.args.dataloader_drop_last, self.dp_size)
@@ -476,6 +477,19 @@ def _trainer_kind(cls: type) -> str:
             )
         found.append(kind)
     return found[0] if found else "rows"
+
+
+def _whole_batch_config(model) -> CPConfig:
+    """``CPConfig(layout="grouped")`` with the model's own cost model (`StepCosts.from_config`), or the default
+    one where its config lacks the sizes."""
+    from .plan import StepCosts
+
+    try:
+        costs = StepCosts.from_config(model.config)
+    except (AttributeError, TypeError, ValueError) as exc:
+        logger.info("blockdiag-cp: whole_batch plans with the default StepCosts (%s)", exc)
+        costs = None
+    return CPConfig(layout="grouped", step_costs=costs)
 
 
 def _refuse_uneven_replicas(even_batches: bool, drop_last: bool, dp: int) -> None:
