@@ -68,7 +68,7 @@ def test_every_position_once_ranks_ascending_and_none_empty():
 
 def test_a_realistic_batch_short_documents_whole_groups_in_a_node_tokens_capped():
     lengths = lognormal_rows(8)  # dp 8 rows of 32k tokens, over dp 8 x cp 4
-    world, rpn = 32, 8
+    world, rpn = 32, 4
     ids = doc_ids_from_lengths(tuple(lengths.tolist()))
     plan = plan_shards(ids, world, "grouped", ranks_per_node=rpn)
     work = COSTS.token_seconds * lengths + COSTS.pair_seconds * lengths * (lengths + 1) / 2
@@ -79,9 +79,10 @@ def test_a_realistic_batch_short_documents_whole_groups_in_a_node_tokens_capped(
             ranks_of.setdefault(doc, set()).add(rank)
     short = np.flatnonzero(work <= tau / 4) + 1
     assert all(len(ranks_of[d]) == 1 for d in short)  # short documents are never cut
-    for d, ranks in ranks_of.items():
-        if work[d - 1] <= rpn * tau / 2:  # a group that fits in a node stays in one
-            assert len({r // rpn for r in ranks}) == 1, (d, sorted(ranks))
+    fits = [d for d in ranks_of if math.ceil(work[d - 1] / tau) <= rpn]  # work that fits in a node
+    assert sum(len(ranks_of[d]) > 1 for d in fits) >= 5  # cut documents among them (the rule is exercised)
+    for d in fits:
+        assert len({r // rpn for r in ranks_of[d]}) == 1, (d, sorted(ranks_of[d]))
     tokens = np.array(plan.local_lens)
     assert tokens.max() <= math.ceil(1.25 * lengths.sum() / world)
     assert len(set(plan.local_lens)) > 1  # unequal shards serve the modeled time
@@ -92,6 +93,32 @@ def sft_micro_batches(dp, batches, seed=0, mu=7.0, sigma=1.2, row=32768):
     rng = np.random.default_rng(seed)
     lengths = np.maximum(1, rng.lognormal(mu, sigma, size=dp * batches * row // 1500)).astype(np.int64)
     return micro_batches(pack_rows(lengths, row), dp, seed)[:batches]
+
+
+def test_a_group_takes_the_least_loaded_window_inside_a_node():
+    """Two nodes of 4 ranks; ranks 3 and 4 (either side of the node boundary) are the least loaded, so the
+    best window of 2 would cross it: the planner takes the best window inside a node instead."""
+    from blockdiag_cp.plan.grouped import _Loads, _Problem
+
+    lengths = np.array([1000, 10, 10])
+    problem = _Problem.of(np.array([0, 1000, 1010]), lengths, np.ones(3, bool), 8, PlanOptions(ranks_per_node=4))
+    state = _Loads(8, cap=10**9)
+    state.seconds[:] = [5.0, 5.0, 4.0, 1.0, 1.0, 3.0, 5.0, 5.0]
+    # ranks 3-4 (loads 1, 1) would cross the node boundary; inside a node 4-5 (1, 3) beats 2-3 (4, 1)
+    assert problem._best_window(state, problem._group(0, 2)) == 4
+    state.seconds[:] = [5.0, 5.0, 5.0, 1.0, 1.0, 5.0, 5.0, 5.0]
+    assert problem._best_window(state, problem._group(0, 2)) in (2, 4)
+
+
+def test_the_token_cap_binds_where_time_alone_would_not_keep_it():
+    """Pairs cost everything, tokens nothing: time alone would pile the short documents onto the ranks beside
+    the long one's group; the cap keeps every rank within 1.25x the mean tokens."""
+    lengths = np.array([6000] + [40] * 150)
+    costs = StepCosts(token_seconds=1e-12, pair_seconds=1.0)
+    placement = place(lengths, 4, costs=costs)
+    assert placement.tokens.max() <= math.ceil(1.25 * lengths.sum() / 4)
+    free = place(lengths, 4, costs=costs, token_cap=100.0)
+    assert free.tokens.max() > math.ceil(1.25 * lengths.sum() / 4)  # without the cap it would not hold
 
 
 @pytest.mark.parametrize("dp, seed", [(8, 0), (8, 1), (32, 2)])

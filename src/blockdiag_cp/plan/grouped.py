@@ -410,7 +410,9 @@ class _Loads:
                 if recut is not None:
                     candidate = _Placed(recut, placed.first, *problem.link_seconds(recut, placed.first))
                     before = (other + placed.group.compute + placed.exposed).max()
-                    if (other + recut.compute + candidate.exposed).max() < before * (1 - 1e-6):
+                    tokens = self.tokens[placed.ranks] + recut.tokens  # (the group is out of the loads here)
+                    capped = bool((tokens <= max(self.cap, int((tokens - recut.tokens + placed.group.tokens).max()))).all())
+                    if capped and (other + recut.compute + candidate.exposed).max() < before * (1 - 1e-6):
                         placed = self.groups[index] = candidate
                         moved = changed = True
                 self._add(placed, 1)
