@@ -134,17 +134,20 @@ def test_modeled_step_near_the_ideal_and_well_over_fixed_rows(dp, seed):
 
 
 def test_each_ranks_modeled_compute_from_the_materialized_plan():
-    """Recompute every rank's compute from its pieces (rectangles of >= 768 queries at 0.88): independent of
-    how the planner cut and costed groups."""
+    """Recompute every rank's compute from its pieces (rectangles of >= 768 queries at 0.88, a cost per piece,
+    the extra of a piece that continues its document): independent of how the planner cut and costed groups."""
     lengths = np.array([9000, 3000, 700, 40, 2, 5000, 1, 300, 12000, 64])
     ids = doc_ids_from_lengths(tuple(lengths.tolist()))
-    placement = place(lengths, 6, ranks_per_node=3)
+    costs = StepCosts(token_seconds=COSTS.token_seconds, pair_seconds=COSTS.pair_seconds, carry_seconds=3e-6,
+                      piece_seconds=2e-4)
+    placement = place(lengths, 6, ranks_per_node=3, costs=costs)
     plan = placement.shard_plan(ids.numel())
     for rank, pieces in enumerate(pieces_of(plan, ids)):
         seconds = 0.0
         for _, offset, n in pieces:
-            rate = COSTS.rectangle_factor if n >= COSTS.rectangle_min_queries else 1.0
-            seconds += COSTS.token_seconds * n + COSTS.pair_seconds * (n * (n + 1) / 2 + rate * n * offset)
+            rate = costs.rectangle_factor if n >= costs.rectangle_min_queries else 1.0
+            seconds += costs.token_seconds * n + costs.pair_seconds * (n * (n + 1) / 2 + rate * n * offset)
+            seconds += costs.piece_seconds + (costs.carry_seconds * n if offset > 0 else 0.0)
         assert seconds == pytest.approx(placement.compute[rank], rel=1e-9), rank
         assert plan.local_lens[rank] == placement.tokens[rank]
 
