@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockdiag_cp.plan.geometry import StepGeometry
-from blockdiag_cp.plan import plan_shards
+from blockdiag_cp.plan import StepCosts, plan_shards
 from blockdiag_cp.testing import doc_ids_from_lengths
 
 
@@ -22,12 +22,33 @@ segments = st.lists(st.one_of(st.integers(1, 15), st.integers(-5, -1)), min_size
     lambda s: any(n > 0 for n in s))
 
 
+def brute_pieces(ids, positions):
+    """A rank's pieces from its positions: (local start, length, global start, document start) of each run of
+    consecutive positions of one real document."""
+    out, S = [], len(ids)
+    for i, g in enumerate(positions):
+        if g >= S or ids[g] == 0:
+            continue
+        if out and positions[i - 1] == g - 1 and ids[g - 1] == ids[g] and out[-1][0] + out[-1][1] == i:
+            out[-1][1] += 1
+            continue
+        start = g
+        while start > 0 and ids[start - 1] == ids[g]:
+            start -= 1
+        out.append([i, 1, g, start])
+    return [tuple(p) for p in out]
+
+
+#: tiny rows plan as real ones under the grouped layout with these costs (documents cut over groups)
+GROUPED_COSTS = StepCosts(token_seconds=4.0, pair_seconds=1.0)
+
+
 @settings(max_examples=80, deadline=None)
-@given(segs=segments, world=st.integers(1, 5), layout=st.sampled_from(["contiguous", "balanced"]),
+@given(segs=segments, world=st.integers(1, 5), layout=st.sampled_from(["contiguous", "balanced", "grouped"]),
        window=st.one_of(st.none(), st.integers(1, 12)))
 def test_geometry_matches_brute_force(segs, world, layout, window):
     ids = doc_ids_from_lengths(segs)
-    plan = plan_shards(ids, world, layout)
+    plan = plan_shards(ids, world, layout, costs=GROUPED_COSTS if layout == "grouped" else None)
     geometry = StepGeometry.build(plan, ids)
     padded = geometry.doc_ids.tolist()
     owner = geometry.owner.tolist()
@@ -41,6 +62,16 @@ def test_geometry_matches_brute_force(segs, world, layout, window):
     transfer = [[sum(need[d][g] for g in range(len(padded)) if owner[g] == s) if d != s else 0
                  for s in range(world)] for d in range(world)]
     assert geometry.transfer_under(window).tolist() == transfer
+    assert geometry.documents_cross_ranks(window) == any(any(row) for row in transfer)
+    for r in range(world):
+        recv, send = geometry.transfer_of(r, window)
+        assert recv.tolist() == transfer[r] and send.tolist() == [transfer[d][r] for d in range(world)]
+        positions = plan.rank_positions(r).tolist()
+        p = geometry.pieces(r)
+        got = list(zip(*(t.tolist() for t in (p.local_start, p.length, p.global_start, p.doc_start))))
+        assert got == brute_pieces(padded, positions), (r, positions)
+        block = plan.max_local_len  # an all-gather of blocks padded to the longest shard
+        assert [int(geometry.gathered_row[g]) for g in positions] == [r * block + i for i in range(len(positions))]
     real_lengths = [n for n in segs if n > 0]
     assert geometry.longest_document == max(real_lengths)
 
