@@ -106,18 +106,28 @@ def test_bad_input_raises_on_every_rank(what, message, rank_pools):
     assert all(message in e for e in errors), errors
 
 
-def shard_worker(rank, world):
-    """This rank's shard of two replica rows with every sequence key, and where its positions came from."""
+#: each replica's row for the sequence-key checks (segments: n > 0 a document, -n padding)
+KEY_ROWS = {"documents": ((3, -2, 5), (1, 1, 1, 1)), "single tokens": ((1, 1, 1, -2, 1, 1, 1, 1, 1), (1, 1, 1, 1))}
+
+
+def shard_worker(rank, world, rows, transposed=False):
+    """This rank's shard of two replica rows with every sequence key, and where its positions came from.
+    `transposed`: the (dp, cp) mesh's ranks column-major (replica 0 = ranks 0 and 2), so the ranks sending a
+    rank its tokens are not in position order."""
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     from blockdiag_cp import make_cp_world_batch_and_ctx
     from blockdiag_cp.loss import add_shift_labels
     from blockdiag_cp.testing import doc_ids_from_lengths
 
-    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "cp"))
+    if transposed:
+        mesh = DeviceMesh("cpu", torch.arange(world).reshape(2, world // 2).t().reshape(2, world // 2),
+                          mesh_dim_names=("dp", "cp"))
+    else:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "cp"))
     d = mesh.get_local_rank("dp")
-    ids = doc_ids_from_lengths(((3, -2, 5), (1, 1, 1, 1))[d])
+    ids = doc_ids_from_lengths(rows[d])
     S = ids.numel()
     batch = add_shift_labels({"input_ids": 100 * (d + 1) + torch.arange(S)[None], "_packed_seq_ids": ids[None],
                               "position_ids": torch.stack([torch.arange(S)[None] + 1000 * d] * 3),
@@ -126,27 +136,33 @@ def shard_worker(rank, world):
     return {k: v for k, v in shard.items() if isinstance(v, torch.Tensor)}, ctx.replica_of_row, ctx.state.positions
 
 
-def test_every_sequence_key_moves_with_its_token_and_padding_positions_fill_as_the_seed_fills(rank_pools):
-    """World 2, one replica per rank: the global row is replica 0's 8 real tokens then replica 1's 4 (1-token
-    documents: no targets); each key of each shard row is the replica's value at that token (mRoPE positions
-    and next-token targets included); a padding position holds the seed's fill; `replica_of_row` names each
-    row's replica."""
-    origin = [(0, p) for p in (0, 1, 2, 5, 6, 7, 8, 9)] + [(1, p) for p in range(4)]  # global row -> (replica, pos)
-    for ids_of, replica_of_row, positions in rank_pools(2).run(shard_worker):
+@pytest.mark.parametrize("world, transposed, rows", [(2, False, "documents"), (4, True, "single tokens")])
+def test_every_sequence_key_moves_with_its_token_and_padding_positions_fill_as_the_seed_fills(world, transposed,
+                                                                                               rows, rank_pools):
+    """The global row is each replica's real tokens in dp order (padding left out); each key of each shard row
+    is the replica's value at that token (mRoPE positions and next-token targets included), a padding position
+    holds the seed's fill, and `replica_of_row` names each row's replica; also with a column-major mesh."""
+    from blockdiag_cp.testing import doc_ids_from_lengths
+
+    origin = []  # global row -> (replica, position in its row, document id there)
+    for d, segments in enumerate(KEY_ROWS[rows]):
+        ids = doc_ids_from_lengths(segments).tolist()
+        origin += [(d, p, doc) for p, doc in enumerate(ids) if doc]
+    for ids_of, replica_of_row, positions in rank_pools(world).run(shard_worker, KEY_ROWS[rows], transposed):
         for row, g in enumerate(positions.tolist()):
             if g >= len(origin):
                 assert int(ids_of["input_ids"][0, row]) == 7 and int(ids_of["labels"][0, row]) == -100
                 assert bool(ids_of["padding_mask"][0, row]) and int(replica_of_row[row]) == -1
                 continue
-            d, p = origin[g]
-            assert int(ids_of["input_ids"][0, row]) == 100 * (d + 1) + p
+            d, p, doc = origin[g]
+            assert int(ids_of["input_ids"][0, row]) == 100 * (d + 1) + p, (g, row)
             assert int(ids_of["labels"][0, row]) == 100 * (d + 1) + p
             assert int(ids_of["position_ids"][1, 0, row]) == 1000 * d + p
             assert int(replica_of_row[row]) == d and not bool(ids_of["padding_mask"][0, row])
             assert int(ids_of["_packed_seq_ids"][0, row]) > 0
-            target = int(ids_of["shift_labels"][0, row])  # the next token of its own document, or -100 at its end
-            last = g + 1 == len(origin) or origin[g + 1][0] != d or origin[g + 1][1] != p + 1 or (d, p) == (0, 2)
-            assert target == (-100 if last or d == 1 else 100 * (d + 1) + p + 1), (g, target)
+            follows = g + 1 < len(origin) and origin[g + 1][:1] == (d,) and origin[g + 1][1:] == (p + 1, doc)
+            target = 100 * (d + 1) + p + 1 if follows else -100  # the next token of its own document
+            assert int(ids_of["shift_labels"][0, row]) == target, (g, row)
 
 
 def test_a_mesh_that_is_not_a_device_mesh_is_refused():
