@@ -75,7 +75,7 @@ from .step.batch import check_seq_dims, make_cp_blockdiag_batch_and_ctx
 from .step.world import make_cp_world_batch_and_ctx
 from .config import CPConfig
 from .errors import CPTypeError
-from .hf.metrics import FusedOutputs, kept_replicas, logged_metrics, replica_sums
+from .hf.metrics import FusedOutputs, kept_totals, logged_metrics, token_fields
 from .hf.losses import RowsStep, ShardLabelSmoother, UnshardedLossFunction, rescale_shard_mean, unshard_rows
 from .hf.model_checks import check_loss_inputs, refuse_virtual_tokens
 from .hf.moe import BalanceStep, RouterBalance, aux_loss_enabled
@@ -308,21 +308,25 @@ class BlockDiagCPMixin:
         if step is not None and self._fused_mean_loss(num_items_in_batch):
             result = self._rescaled(result, step)
         if counted is not None and model.training and step is not None and self._total_train_tokens != counted:
-            self._total_train_tokens = counted + _world_sum(int((~step.padding_mask).sum()), self.args.device)
+            real = (~step.padding_mask).reshape(1, -1).double()
+            self._total_train_tokens = counted + int(self._kept_totals(real, step)[0])
             self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
         return result
 
     def _log_replica_metrics(self, outputs: Any, step: RowsStep, mode: str) -> None:
         """TRL's last logged entropy and token accuracy, as the replicas log them (Note in hf/metrics.py)."""
-        rows = step.ctx.replica_of_row
-        if rows is None:
-            rows = torch.full((step.ctx.state.local_len,), self.dp_rank, dtype=torch.long, device=self.args.device)
-        sums = replica_sums(outputs, rows, self.dp_size)
+        fields = token_fields(outputs)
         logged = self._metrics[mode]
-        if sums is None or not logged.get("entropy") or not logged.get("mean_token_accuracy"):
+        if fields is None or not logged.get("entropy") or not logged.get("mean_token_accuracy"):
             return
-        entropy, accuracy = logged_metrics(sums, kept_replicas(self.accelerator.gradient_state))
-        logged["entropy"][-1], logged["mean_token_accuracy"][-1] = entropy, accuracy
+        logged["entropy"][-1], logged["mean_token_accuracy"][-1] = logged_metrics(self._kept_totals(fields, step))
+
+    def _kept_totals(self, rows_XL: torch.Tensor, step: RowsStep) -> torch.Tensor:
+        """Per-token values of this rank's rows summed as accelerate's gather over the replicas keeps them."""
+        replica = step.ctx.replica_of_row
+        if replica is None:  # a step of one replica's row: every row is this rank's replica's
+            replica = torch.full((rows_XL.shape[1],), self.dp_rank, dtype=torch.long, device=rows_XL.device)
+        return kept_totals(rows_XL, replica.to(rows_XL.device), self.dp_size, self.accelerator.gradient_state)
 
     def _model_mean_loss(self, num_items_in_batch: Any) -> bool:
         """Whether the model's own loss is a per-micro-batch mean in flight (no token count for it)."""
@@ -571,15 +575,6 @@ def _use_blockdiag_attention(model) -> None:
     if config is not None and getattr(config, "_attn_implementation", None) != hf.ATTN_IMPLEMENTATION:
         logger.info("blockdiag-cp: model attention %r -> %r", config._attn_implementation, hf.ATTN_IMPLEMENTATION)
         model.set_attn_implementation(hf.ATTN_IMPLEMENTATION)
-
-
-def _world_sum(value: int, device: torch.device) -> int:
-    """`value` summed over every process (itself without torch.distributed)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    total = torch.tensor(value, dtype=torch.int64, device=device)
-    dist.all_reduce(total)
-    return int(total)
 
 
 def _gather_objects_over_replicas(data: Any, world: int, cp: int) -> Any:

@@ -13,7 +13,8 @@ mixin recomputes both metrics from the per-token outputs the fused head returns 
 hook on the model, `FusedOutputs`: TRL's ``return_outputs=True`` would run another forward): the sums per
 replica (each local row's replica: `TrainCtx.replica_of_row`, else this rank's), one all-reduce
 of ``3 x dp`` numbers over the world, the first ``remainder`` replicas kept as accelerate keeps
-the replicas' processes, and the values TRL appended are replaced.
+the replicas' processes, and the values TRL appended are replaced. The mixin counts TRL's logged
+``num_tokens`` the same way (each replica's real tokens, the kept replicas').
 """
 
 from __future__ import annotations
@@ -46,25 +47,29 @@ class FusedOutputs:
         return kept
 
 
-def replica_sums(outputs: Any, replica_of_row: torch.Tensor, dp: int) -> Optional[torch.Tensor]:
-    """``[3, dp]`` float64: each replica's valid targets, entropy sum and top-1 hits on this rank's rows, summed
-    over the world (None when the outputs lack the fields). `replica_of_row`: ``[L]`` (-1: padding)."""
+def token_fields(outputs: Any) -> Optional[torch.Tensor]:
+    """``[3, L]`` float64: the fused head's `TOKEN_FIELDS` of this rank's rows (None when the outputs lack them)."""
     fields = [getattr(outputs, name, None) for name in TOKEN_FIELDS]
     if any(not isinstance(f, torch.Tensor) for f in fields):
         return None
-    rows = torch.stack([f.detach().reshape(-1).double() for f in fields])  # [3, L]
+    return torch.stack([f.detach().reshape(-1).double() for f in fields])
+
+
+def kept_totals(rows_XL: torch.Tensor, replica_of_row: torch.Tensor, dp: int, gradient_state: Any) -> torch.Tensor:
+    """``[X]``: each row of `rows_XL` (per-token values of this rank's ``L`` rows) summed over the replicas
+    accelerate's ``gather_for_metrics`` keeps now (all, or the first ``remainder`` at the end of the dataloader):
+    per-replica sums (`replica_of_row` ``[L]``, -1 for padding), one all-reduce over the world."""
     real = replica_of_row >= 0
-    sums = rows.new_zeros((3, dp)).index_add_(1, replica_of_row[real], rows[:, real])
+    sums = rows_XL.new_zeros((rows_XL.shape[0], dp)).index_add_(1, replica_of_row[real], rows_XL[:, real])
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(sums)
-    return sums
+    kept = kept_replicas(gradient_state)
+    return (sums if kept is None else sums[:, :kept]).sum(dim=1)
 
 
-def logged_metrics(sums: torch.Tensor, remainder: Optional[int]) -> tuple[float, float]:
-    """``(entropy, mean_token_accuracy)`` as TRL logs them from the replicas' sums; `remainder`: how many
-    replicas accelerate's ``gather_for_metrics`` keeps (None: all)."""
-    kept = sums if remainder is None else sums[:, :remainder]
-    valid, entropy, correct = kept.sum(dim=1).tolist()
+def logged_metrics(totals: torch.Tensor) -> tuple[float, float]:
+    """``(entropy, mean_token_accuracy)`` as TRL logs them from the kept totals of `TOKEN_FIELDS`."""
+    valid, entropy, correct = totals.tolist()
     return (entropy / valid, correct / valid) if valid > 0 else (0.0, 0.0)
 
 
