@@ -43,7 +43,7 @@ Shape letters in name suffixes (``q_HLD`` is ``[H, L, D]``)::
     1  a dimension of size 1
 """
 
-import importlib as _importlib
+from . import registry as _registry
 import types as _types
 import typing as _typing
 
@@ -98,10 +98,7 @@ _HOMES = _types.MappingProxyType({
 
 def __getattr__(name: str) -> object:
     """A public name, imported from its module on first access (then cached in this module)."""
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(_importlib.import_module(home, __name__), name)
+    value = _registry.lazy_attribute(__name__, _HOMES, name)
     globals()[name] = value
     return value
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 #: the choice that lets the step pick a strategy itself, in every family
 AUTO = "auto"
@@ -69,6 +69,15 @@ class Registry:
         """``name: summary`` for every choice, for ``--help``."""
         auto = [f"{AUTO}: the step picks (see docs)"] if self.has_auto else []
         return "; ".join(auto + [f"{s.name}: {s.summary}" for s in self.strategies])
+
+
+def lazy_attribute(package: str, homes: Mapping[str, str], name: str) -> Any:
+    """A lazy package's public `name` (PEP 562 ``__getattr__``): imported from its home module, relative to
+    `package`, on first access; an `AttributeError` for a name the package does not have."""
+    home = homes.get(name)
+    if home is None:
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(home, package), name)
 
 
 KERNELS = Registry("kernel", (

@@ -16,9 +16,10 @@ The package is lazy (PEP 562), as the root is: `CPConfig` reads `PlanOptions` an
 (plain Python) without importing torch.
 """
 
-import importlib as _importlib
 import types as _types
 import typing as _typing
+
+from ..registry import lazy_attribute
 
 if _typing.TYPE_CHECKING:
     from .layouts import make_plan, plan_shards
@@ -43,10 +44,7 @@ _HOMES = _types.MappingProxyType({
 
 
 def __getattr__(name: str) -> object:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(_importlib.import_module(home, __name__), name)
+    value = lazy_attribute(__name__, _HOMES, name)
     globals()[name] = value
     return value
 

@@ -97,20 +97,25 @@ def make_cp_blockdiag_batch_and_ctx(
         raise CPTypeError(f"config must be a CPConfig, got {type(config).__name__}")
     world, rank, group = _cp_group(cp_mesh)
     _check_tp_mesh(tp_mesh, cp_mesh)
-    if loss_mask is not None:
-        batch["loss_mask"] = loss_mask
-    packed = batch.get("_packed_seq_ids")
-    if isinstance(packed, torch.Tensor) and packed.dim() == 1:
-        batch["_packed_seq_ids"] = packed.unsqueeze(0)
+    take_row_inputs(batch, loss_mask)
     seq_dims, S, doc_ids_1S, problem = read_row(batch, seq_dims, config, world)
     if group is not None and config.check_ranks_agree:
-        _check_ranks_agree(doc_ids_1S, config, group, _mesh_device(cp_mesh), problem)
+        _check_ranks_agree(doc_ids_1S, config, group, mesh_device(cp_mesh), problem)
     if problem is not None:
         raise problem
     warn_unsharded(batch, S, seq_dims)
     heads = step_head_groups(doc_ids_1S[0], world, rank, group, config)
     state = shard_step(batch, doc_ids_1S, world, rank, group, config, padding_token_id, seq_dims, heads)
     return TrainCtx(state), batch
+
+
+def take_row_inputs(batch: dict[str, Any], loss_mask: Optional[torch.Tensor]) -> None:
+    """The entry's inputs in the batch's form: `loss_mask` as ``batch["loss_mask"]``, ``_packed_seq_ids`` ``[1, S]``."""
+    if loss_mask is not None:
+        batch["loss_mask"] = loss_mask
+    packed = batch.get("_packed_seq_ids")
+    if isinstance(packed, torch.Tensor) and packed.dim() == 1:
+        batch["_packed_seq_ids"] = packed.unsqueeze(0)
 
 
 def read_row(batch: dict[str, Any], seq_dims, config: CPConfig, world: int):
@@ -300,7 +305,7 @@ def _check_batch(batch: Mapping[str, Any], seq_dims: Mapping[str, int] = Mapping
     return key, S, primary.device
 
 
-def _mesh_device(cp_mesh) -> torch.device:
+def mesh_device(cp_mesh) -> torch.device:
     if cp_mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(cp_mesh.device_type)

@@ -44,7 +44,8 @@ from ..parallel.heads import SUBGROUPS
 from ..parallel.routes import PeerRows
 from ..plan import ShardPlan, make_plan
 from ..plan.grouped import place_runs
-from .batch import SEQUENCE_KEYS, UNSHARDED_ROW_KEYS, TrainCtx, read_row, seq_dim_of, step_head_groups, warn_unsharded
+from .batch import (SEQUENCE_KEYS, UNSHARDED_ROW_KEYS, TrainCtx, mesh_device, read_row, seq_dim_of, step_head_groups,
+                    take_row_inputs, warn_unsharded)
 from .state import build_step_state
 
 
@@ -114,12 +115,8 @@ def make_cp_world_batch_and_ctx(
     if not isinstance(config, CPConfig):
         raise CPTypeError(f"config must be a CPConfig, got {type(config).__name__}")
     view = WorldView.of(mesh)
-    device = _device_of(mesh)
-    if loss_mask is not None:
-        batch["loss_mask"] = loss_mask
-    packed = batch.get("_packed_seq_ids")
-    if isinstance(packed, torch.Tensor) and packed.dim() == 1:
-        batch["_packed_seq_ids"] = packed.unsqueeze(0)
+    device = mesh_device(mesh)
+    take_row_inputs(batch, loss_mask)
     seq_dims, S, doc_ids_1S, problem = read_row(batch, seq_dims, config, view.world)
     runs = _replica_runs(doc_ids_1S, view, config, device, problem)
     warn_unsharded(batch, S, seq_dims)
@@ -178,12 +175,6 @@ class GlobalRow:
         k = positions - self.first[replica]
         count = self.first[replica + 1] - self.first[replica]
         return replica, (k * cp) // np.maximum(count, 1)
-
-
-def _device_of(mesh) -> torch.device:
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
 
 
 def _replica_runs(doc_ids_1S: Optional[torch.Tensor], view: WorldView, config: CPConfig, device: torch.device,
