@@ -110,6 +110,23 @@ def test_a_group_takes_the_least_loaded_window_inside_a_node():
     assert problem._best_window(state, problem._group(0, 2)) in (2, 4)
 
 
+@pytest.mark.parametrize("grain", [1.0, 0.5, 0.25])
+def test_at_every_grain_a_document_whose_work_fits_a_node_gets_a_group_inside_one(grain):
+    """The grain cuts finer (up to 4 x a document's ranks), but never past a node for work that fits one."""
+    from blockdiag_cp.plan.grouped import _Problem
+
+    lengths = lognormal_rows(2, row=8192, seed=5)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    problem = _Problem.of(starts, lengths, np.ones(lengths.size, bool), 16, PlanOptions(ranks_per_node=4))
+    draft = problem.draft(grain)
+    sizes = {p.group.run: p.group.size for p in draft.groups}
+    fits = {r for r in sizes if math.ceil(problem.whole[r] / problem.ideal) <= 4}
+    assert fits and all(sizes[r] <= 4 and p.first // 4 == (p.first + p.group.size - 1) // 4
+                        for p in draft.groups for r in [p.group.run] if r in fits)
+    if grain < 1:
+        assert any(math.ceil(problem.whole[r] / (grain * problem.ideal)) > 4 for r in fits)  # the clamp mattered
+
+
 def test_the_token_cap_binds_where_time_alone_would_not_keep_it():
     """Pairs cost everything, tokens nothing: time alone would pile the short documents onto the ranks beside
     the long one's group; the cap keeps every rank within 1.25x the mean tokens."""
@@ -150,6 +167,8 @@ def test_each_ranks_modeled_compute_from_the_materialized_plan():
             seconds += costs.piece_seconds + (costs.carry_seconds * n if offset > 0 else 0.0)
         assert seconds == pytest.approx(placement.compute[rank], rel=1e-9), rank
         assert plan.local_lens[rank] == placement.tokens[rank]
+    whole = costs.token_seconds * lengths + costs.pair_seconds * lengths * (lengths + 1) / 2 + costs.piece_seconds
+    assert placement.ideal == pytest.approx(whole.sum() / 6, rel=1e-12)  # every document whole, a piece each
 
 
 def test_each_ranks_modeled_bytes_are_what_the_needed_only_exchange_moves():
