@@ -43,7 +43,7 @@ from ..parallel.collectives import all_gather_flat, p2p_rows
 from ..parallel.heads import SUBGROUPS
 from ..parallel.routes import PeerRows
 from ..plan import ShardPlan, make_plan
-from ..plan.grouped import place_runs
+from ..plan.grouped import place_runs, row_runs
 from .batch import (SEQUENCE_KEYS, UNSHARDED_ROW_KEYS, TrainCtx, mesh_device, read_row, seq_dim_of, step_head_groups,
                     take_row_inputs, warn_unsharded)
 from .state import build_step_state
@@ -183,10 +183,8 @@ def _replica_runs(doc_ids_1S: Optional[torch.Tensor], view: WorldView, config: C
     rank rejected its batch, a replica's ranks hold different rows, or the configs differ."""
     table = np.zeros((0, 2), dtype=np.int64)
     if doc_ids_1S is not None:
-        ids = doc_ids_1S[0].cpu()
-        starts = torch.nonzero(torch.cat([torch.ones(1, dtype=torch.bool), ids[1:] != ids[:-1]])).flatten()
-        lengths = torch.diff(starts, append=torch.tensor([ids.numel()]))
-        table = torch.stack([lengths, (ids[starts] != 0).long()], 1).numpy()
+        _, lengths, real = row_runs(doc_ids_1S[0])
+        table = np.stack([lengths, real.astype(np.int64)], 1)
     crc = lambda a: zlib.crc32(np.ascontiguousarray(a).tobytes())  # noqa: E731
     header = torch.tensor([int(problem is not None), table.shape[0], crc(table), zlib.crc32(repr(config).encode())],
                           dtype=torch.long, device=device)
