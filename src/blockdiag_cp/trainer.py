@@ -77,7 +77,7 @@ from .errors import CPTypeError
 from .hf.scoring import STEP_ONLY_KEYS, ScoringSession
 from .hf.replica import ReplicaAccelerator, first_cp_rank_rows, share_from_cp_rank0
 from .step.gather import gather_sequence
-from .mixers import prepare_model, refuse_unrouted_mixers
+from .mixers import prepare_model
 from .step.rows import flatten_rows
 
 logger = logging.getLogger(__name__)
@@ -169,8 +169,8 @@ class BlockDiagCPMixin:
         self._cp_step: Optional[StepRows] = None
         self._scoring = ScoringSession(self.cp_mesh, self.cp_config)
         for model in self._scored_models():
-            prepare_model(model)  # supported hybrid mixers run per document inside the steps
-            refuse_unrouted_mixers(model, f"in {type(self).__name__} (packed rows{' under CP' if cp_size > 1 else ''})")
+            # supported hybrid mixers run per document inside the steps; a model not verified is refused by name
+            prepare_model(model, f"in {type(self).__name__} (packed rows{' under CP' if cp_size > 1 else ''})")
             _use_blockdiag_attention(model)
             if self._kind != "rows":
                 self._scoring.install(model)
