@@ -124,6 +124,8 @@ def blockdiag_cp_attention(
     """
     features = layer_features(module, kwargs)
     if STEP_SLOT.in_step:
+        if not torch.compiler.is_compiling():  # compiled, the opaque op reads the step (which counts too)
+            STEP_SLOT.note_reached()  # Note [A step the model never reached] in step/slot.py
         config = getattr(module, "config", None)
         refuse_unrouted_mixers(config, IN_STEP, getattr(module, PREPARED_KINDS, frozenset()))
         if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:

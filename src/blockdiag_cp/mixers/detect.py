@@ -30,7 +30,8 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ..errors import ModelRefusal
-from .routing import PREPARED_KINDS, ROUTED_KIND, STATE_SPACE
+from ..step.slot import STEP_SLOT
+from .marks import PREPARED_KINDS, ROUTED_KIND, STATE_SPACE
 
 #: layer kinds whose token mixing is attention that blockdiag-cp computes per document
 ROUTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
@@ -125,6 +126,8 @@ def refuse_unrouted_mixers(model_or_config: Any, where: str, routed: frozenset[s
         found = unrouted_config_mixers(model_or_config, routed)
     if not found:
         return
+    if STEP_SLOT.in_step and not torch.compiler.is_compiling():
+        STEP_SLOT.note_reached()  # the model reached the library (Note [A step the model never reached])
     raise ModelRefusal(_unrouted_message(found, where), unrouted_reason(found))
 
 

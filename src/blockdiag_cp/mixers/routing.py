@@ -45,13 +45,10 @@ import torch
 import torch.nn.functional as F
 
 from ..step.doc_ids import position_breaks
+from .marks import PREPARED_KINDS, ROUTED_KIND, STATE_SPACE
 from ..step.slot import STEP_SLOT, current_step
 from ..eager import eager_under_compile
 
-#: attribute set on a routed mixer instance: the layer kinds it serves (``("conv",)``)
-ROUTED_KIND = "blockdiag_cp_mixer_kind"
-#: attribute set on a prepared model and all its submodules: the layer kinds its mixers route
-PREPARED_KINDS = "blockdiag_cp_routed_kinds"
 #: attribute a decoder layer's pre-hook sets on its routed mixer for one call (`RowMarks`)
 ROW_MARKS = "blockdiag_cp_row_marks"
 #: attribute set on a decoder layer whose hooks lend its mixers their `RowMarks`
@@ -64,8 +61,6 @@ MODEL_CALL = "blockdiag_cp_model_call"
 ATTENDERS = "blockdiag_cp_attenders"
 #: attribute of a prepared model: its `verify.ModelCheck` (set by `prepare_model` once the model is verified)
 PREPARED = "blockdiag_cp_prepared"
-#: the layer kind the size-only detection reports (a config without a layer-type list: Bamba, Falcon-H1)
-STATE_SPACE = "state_space"
 
 
 class RowMarks(NamedTuple):
@@ -87,7 +82,7 @@ def per_document_state(module: torch.nn.Module, hidden_states: torch.Tensor, att
     """
     state = current_step()
     if state is not None:
-        STEP_SLOT.note_mixer_call()  # Note [A step the model never reached] in step/slot.py
+        STEP_SLOT.note_reached()  # Note [A step the model never reached] in step/slot.py
         return state
     if hidden_states.shape[0] != 1:
         return None

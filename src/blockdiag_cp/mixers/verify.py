@@ -47,8 +47,9 @@ from typing import Any, Optional
 import torch
 
 from ..errors import ModelRefusal
+from ..step.slot import STEP_SLOT
 from .detect import UnroutedMixer, decoder_of, find_unrouted_mixers, refuse_unrouted_mixers, unrouted_reason
-from .routing import ROUTED_KIND
+from .marks import ROUTED_KIND
 
 #: the name transformers' attention modules look their attention function up in
 INTERFACE_NAME = "ALL_ATTENTION_FUNCTIONS"
@@ -145,7 +146,10 @@ def verify_model(model: torch.nn.Module, where: str) -> ModelCheck:
 
 
 def refusal(model: str, where: str, reason: str, advice: str = ADVICE) -> ModelRefusal:
-    """The `ModelRefusal` of `model` (``LlamaForCausalLM``), `where` it was found, for `reason`."""
+    """The `ModelRefusal` of `model` (``LlamaForCausalLM``), `where` it was found, for `reason` (noted by an
+    active step: the model reached the library, Note [A step the model never reached] in step/slot.py)."""
+    if STEP_SLOT.in_step and not torch.compiler.is_compiling():
+        STEP_SLOT.note_reached()
     return ModelRefusal(f"blockdiag-cp: {where}, {model} is refused: {reason}. Under CP (and on a packed row) such a "
                         f"layer would see other documents' tokens or only this rank's shard: a silently wrong result. "
                         f"{advice}", reason)

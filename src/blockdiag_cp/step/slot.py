@@ -27,8 +27,10 @@ Note [A step the model never reached]
 A model whose token mixing never reaches blockdiag-cp (another ``attn_implementation``, its
 own attention path, no attention layer at all) runs inside ``train_ctx()`` without an error:
 each rank computes on its shard alone, a silently wrong result. So the slot counts the calls
-the library serves in the step (attention calls, routed mixer calls), and a step that exits
-cleanly without any raises `ModelRefusal` on leaving ``train_ctx()``: after the user's backward,
+the library serves in the step (attention calls, routed mixer calls, any other use of the active
+step by the library such as `gather_sequence`; a refusal the library raised in the step counts
+too: the user saw it), and a step that exits cleanly without any raises `ModelRefusal` on leaving
+``train_ctx()``: after the user's backward,
 before their optimizer step (which the README's loop and the Trainer run after the block).
 Every rank runs the same model, so every rank makes no call alike and raises alike; a step
 left by an exception is left as it is (that error is the one to see).
@@ -114,7 +116,7 @@ class _ActiveStep:
     step_id: int
     depth: int = 1
     backward_seen: bool = False
-    mixer_calls: int = 0
+    reached: int = 0
     calls: set[CallSignature] = field(default_factory=set)
     agreed: set[CallSignature] = field(default_factory=set)
 
@@ -137,14 +139,20 @@ class StepSlot:
         self.kept = KeptGraphs()
 
     def current(self) -> Optional["StepState"]:
+        """The active step's state (its use by the library counts as reaching it: Note [A step the model
+        never reached]), or None."""
         with self._lock:
-            return None if self._active is None else self._active.state
+            if self._active is None:
+                return None
+            self._active.reached += 1
+            return self._active.state
 
     @contextlib.contextmanager
     def activate(self, state: "StepState") -> Iterator["StepState"]:
         """Make `state` the active step for the duration of the block (re-entrant for the same state)."""
         with self._lock:
             if self._active is not None and self._active.state is not state:
+                self._active.reached += 1  # the library refused in the step: Note [A step the model never reached]
                 raise RuntimeError(
                     "another block-diagonal CP step is already active; exit its train_ctx() "
                     "before entering the next one"
@@ -163,7 +171,7 @@ class StepSlot:
             raise
         with self._lock:
             ended = self._release()
-        if ended is not None and not ended.calls and not ended.mixer_calls:
+        if ended is not None and not ended.calls and not ended.reached:
             raise _never_reached()
 
     def _release(self) -> Optional[_ActiveStep]:
@@ -178,11 +186,12 @@ class StepSlot:
             self._ended = EndedStep(active.step_id, frozenset(active.calls))
         return active
 
-    def note_mixer_call(self) -> None:
-        """A routed token mixer ran per document in the active step (Note [A step the model never reached])."""
+    def note_reached(self) -> None:
+        """The model reached the library in the active step: a routed token mixer, transformers' attention
+        interface, or a refusal of the library (Note [A step the model never reached])."""
         with self._lock:
             if self._active is not None:
-                self._active.mixer_calls += 1
+                self._active.reached += 1
 
     def note_call(self, call: CallSignature) -> int:
         """Record an attention call of the active step; return the step's id for its marker."""

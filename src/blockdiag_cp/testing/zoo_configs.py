@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import types
 from typing import Any, Mapping, Optional
 
 #: (pattern on the field name, tiny value): the first match wins; a field is only ever made smaller
@@ -61,21 +62,21 @@ SHRINK: tuple[tuple[str, int], ...] = (
     (r"^(linear_key_head_dim|linear_value_head_dim)$", 8),
 )
 #: fields whose default None would not build (the model reads them as numbers): their tiny value
-WHEN_NONE: Mapping[str, int] = {"head_dim": 8, "num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
-                                "n_shared_experts": 1}
+WHEN_NONE: Mapping[str, int] = types.MappingProxyType({
+    "head_dim": 8, "num_key_value_heads": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1})
 #: the tiny vocabulary: token ids past it move to its top; rows draw their tokens below `ROW_TOKENS`
 TINY_VOCAB, ROW_TOKENS = 128, 100
 #: a tiny config must build fewer parameters than this, else the type is skipped (sub-configs no rule shrinks)
 MAX_PARAMETERS = 2_000_000
 #: per model type, what its tiny config needs beyond the rules to build, and why
-ADJUST: Mapping[str, tuple[dict, str]] = {
+ADJUST: Mapping[str, tuple[dict, str]] = types.MappingProxyType({
     "reformer": (dict(is_decoder=True, attn_layers=["local", "lsh"], axial_pos_shape=[16, 16],
                       axial_pos_embds_dim=[16, 16]), "ReformerModelWithLMHead needs is_decoder"),
     "xmod": (dict(default_language="en_XX"), "X-MOD needs a default language adapter"),
     "lfm2_moe": (dict(layer_types=["conv", "full_attention"]), "its default has no layer kinds to build"),
     "mamba2": (dict(num_heads=8), "Mamba2 needs num_heads x head_dim = expand x hidden_size"),
     "gemma4_assistant": (dict(hidden_size_per_layer_input=0), "its own validator wants 0 (its default is not)"),
-}
+})
 
 
 def tiny_config(model_type: str, model_class: Optional[type] = None, overrides: Mapping[str, Any] = {}) -> Any:
@@ -105,8 +106,8 @@ def tiny_kwargs(config_class: type) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     for name, value in fields.items():
         shrunk = _shrink(name, value, fields)
-        if shrunk is not _KEEP:
-            kwargs[name] = shrunk
+        if shrunk:
+            kwargs[name] = shrunk[0]
         elif value is None and name in WHEN_NONE:
             kwargs[name] = WHEN_NONE[name]
     kwargs.update(_per_layer_lists(fields, kwargs))
@@ -121,21 +122,19 @@ def tiny_kwargs(config_class: type) -> dict[str, Any]:
     return kwargs
 
 
-_KEEP = object()
-
-
-def _shrink(name: str, value: Any, fields: Mapping[str, Any]) -> Any:
+def _shrink(name: str, value: Any, fields: Mapping[str, Any]) -> tuple:
+    """``(tiny value,)`` for a field `SHRINK` makes smaller, else ``()`` (kept)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        return _KEEP
+        return ()
     for pattern, tiny in SHRINK:
         if re.search(pattern, name):
             if tiny == -1:
-                return value if value < TINY_VOCAB else None  # a token id: moved by _move_token_ids
+                return (value if value < TINY_VOCAB else None,)  # a token id: moved by _move_token_ids
             if tiny == -2:  # key/value heads: grouped stays grouped (2 of 4), else as many as the queries
                 heads = fields.get("num_attention_heads")
-                return 2 if isinstance(heads, int) and value < heads else 4
-            return tiny if value > tiny else _KEEP
-    return _KEEP
+                return (2 if isinstance(heads, int) and value < heads else 4,)
+            return (tiny,) if value > tiny else ()
+    return ()
 
 
 def _move_token_ids(kwargs: dict[str, Any], fields: Mapping[str, Any]) -> None:
