@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from blockdiag_cp.testing import doc_ids_from_lengths
+from blockdiag_cp.testing import doc_ids_from_lengths, hang_timeout
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SEGMENTS = (7, -2, 12, 1, 5)  # S = 27
@@ -50,7 +50,7 @@ def test_gather_sequence_needs_a_step():
 
 def torchrun(nproc, *args, timeout=300):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=hang_timeout(timeout), cwd=ROOT)
 
 
 @pytest.mark.slow
