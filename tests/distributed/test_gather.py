@@ -24,8 +24,9 @@ def gather_worker(rank, world, layout):
     weight = torch.randn(1, 27, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     batch = {"inputs_embeds": x, "_packed_seq_ids": doc_ids_from_lengths(SEGMENTS).unsqueeze(0)}
     train_ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh["cp"], None, batch, config=CPConfig(layout=layout))
-    with train_ctx():
-        full = gather_sequence(batch["inputs_embeds"])
+    # the planned step, not entered (an entered one must serve a model's attention: Note [A step the model
+    # never reached]); gather_sequence finding the active step: test_hf.py, test_model_zoo.py
+    full = gather_sequence(batch["inputs_embeds"], state=train_ctx.state)
     (full * weight).sum().backward()  # every rank uses the whole gathered row
     grad = x.grad.clone()
     dist.all_reduce(grad)

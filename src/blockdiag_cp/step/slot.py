@@ -27,10 +27,10 @@ Note [A step the model never reached]
 A model whose token mixing never reaches blockdiag-cp (another ``attn_implementation``, its
 own attention path, no attention layer at all) runs inside ``train_ctx()`` without an error:
 each rank computes on its shard alone, a silently wrong result. So the slot counts the calls
-the library serves in the step (attention calls, routed mixer calls, any other use of the active
-step by the library such as `gather_sequence`; a refusal the library raised in the step counts
-too: the user saw it), and a step that exits cleanly without any raises `ModelRefusal` on leaving
-``train_ctx()``: after the user's backward,
+the model's token mixers make in the step (attention calls, through `StepSlot.reach`; routed mixer
+calls; a refusal the library raised in the step counts too: the user saw it; `gather_sequence` and
+the losses do not: they are not the model's), and a step that exits cleanly without any raises
+`ModelRefusal` on leaving ``train_ctx()``: after the user's backward,
 before their optimizer step (which the README's loop and the Trainer run after the block).
 Every rank runs the same model, so every rank makes no call alike and raises alike; a step
 left by an exception is left as it is (that error is the one to see).
@@ -139,8 +139,12 @@ class StepSlot:
         self.kept = KeptGraphs()
 
     def current(self) -> Optional["StepState"]:
-        """The active step's state (its use by the library counts as reaching it: Note [A step the model
-        never reached]), or None."""
+        with self._lock:
+            return None if self._active is None else self._active.state
+
+    def reach(self) -> Optional["StepState"]:
+        """`current`, for a token mixer of the model that reaches the library (an attention call: it counts
+        for Note [A step the model never reached], whether it then succeeds or is refused)."""
         with self._lock:
             if self._active is None:
                 return None
