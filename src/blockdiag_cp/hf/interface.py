@@ -284,7 +284,7 @@ def blockdiag_cp_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
     boolean mask, or None where SDPA's ``is_causal`` does). Before the first layer: a model whose
     attention is not served here is refused (`verify.config_problem`).
     """
-    arguments = kwargs if not args else _SDPA_MASK_SIGNATURE.bind(*args, **kwargs).arguments
+    arguments = kwargs if not args else _keywords(_SDPA_MASK_SIGNATURE.bind(*args, **kwargs).arguments)
     config = arguments.get("config")
     in_step = STEP_SLOT.in_step
     if in_step:
@@ -296,11 +296,17 @@ def blockdiag_cp_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
     else:
         _refuse_config_model(config, "on a row outside a CP step")
     bidirectional, cu_seqlens = _read_mask_function(arguments)
-    if bidirectional:  # transformers' own mask: a layer that uses it is refused (it is no causal one per document)
-        return sdpa_mask(*args, **kwargs)
+    if bidirectional:  # transformers' own mask, built for real: a layer that uses it is refused (not causal)
+        return sdpa_mask(**{**arguments, "allow_is_causal_skip": False, "allow_is_bidirectional_skip": False})
     if not in_step and config is not None and not torch.compiler.is_compiling():
         STEP_SLOT.note_row_marks(config, arguments["q_length"], cu_seqlens)
     return None
+
+
+def _keywords(bound: dict[str, Any]) -> dict[str, Any]:
+    """``sdpa_mask``'s bound arguments as keywords (its ``**kwargs`` flattened)."""
+    extra = bound.get("kwargs", {})
+    return {**{k: v for k, v in bound.items() if k != "kwargs"}, **(extra if isinstance(extra, dict) else {})}
 
 
 def _read_mask_function(call: dict[str, Any]) -> tuple[bool, Optional[torch.Tensor]]:
