@@ -74,6 +74,8 @@ VARIANTS = (
     ZooCase("llama4_text", (("attention_chunk_size", None), ("layer_types", ["full_attention"] * 2),
                             ("no_rope_layers", [1, 0]), ("floor_scale", 4)), "full attention, temperature floor 4"),
     ZooCase("qwen2", (("use_sliding_window", True), ("max_window_layers", 1)), "sliding window"),
+    ZooCase("lfm2", (("layer_types", ["conv", "full_attention"]),), "short convolutions"),  # its default: attention only
+    ZooCase("lfm2", (("layer_types", ["conv", "conv"]),), "convolutions only, no attention layer"),
 )
 
 
