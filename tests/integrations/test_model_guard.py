@@ -117,6 +117,15 @@ def test_loading_an_own_attention_model_is_refused_before_transformers_builds_it
     assert caught.value.reason.startswith("its own attention")
 
 
+def test_from_pretrained_refuses_from_the_saved_config_and_prepares_what_it_loads(tmp_path):
+    bloom().save_pretrained(tmp_path / "bloom")
+    with pytest.raises(ModelRefusal, match="in blockdiag_cp.hf.from_pretrained, Bloom is refused"):
+        bhf.from_pretrained(str(tmp_path / "bloom"))
+    llama("sdpa").save_pretrained(tmp_path / "llama")
+    model = bhf.from_pretrained(str(tmp_path / "llama"))
+    assert model.config._attn_implementation == "blockdiag_cp" and getattr(model, "blockdiag_cp_prepared").reason is None
+
+
 def test_an_own_attention_model_is_refused_before_its_first_layer_even_outside_a_step():
     """Bloom with blockdiag_cp would run its own attention unmasked: the mask function refuses its config."""
     model = bloom()
