@@ -7,7 +7,10 @@
     scoring.py    ScoringSession: TRL's fused-head scoring forwards on padded rows, as one packed row under CP
 
 `prepare_model(model)` (from `blockdiag_cp.mixers`) routes a hybrid model's supported token
-mixers per document, on packed rows and inside CP steps. The Trainer mixin is `blockdiag_cp.trainer`.
+mixers per document, on packed rows and inside CP steps, gives Llama 4's temperature-tuned
+attention its document positions, and refuses by name a model whose token mixing it cannot
+verify to go through the library (Note [Every token mixer verified] in mixers/verify.py).
+The Trainer mixin is `blockdiag_cp.trainer`.
 """
 
 from ..mixers import prepare_model
