@@ -123,28 +123,29 @@ def cp_worker(rank, world, mixer, segments, layout, repeats):
     local = batch["inputs_embeds"][0]
     widths = [x.shape[1], gate_a.shape[1], gate_b.shape[1]]
     times = []
-    with ctx() as state:
-        def recur(kind, *rows):
-            schedule = state.piece_schedule
-            return schedule.gated_delta_rule(*rows) if kind == "delta" else schedule.ssd(*rows)
+    state = ctx.state  # the kernels take the planned step itself (no model runs: no step entered)
 
-        def conv(rows, w):
-            return state.conv_plan(CONV_WIDTH)(rows, w, None)
+    def recur(kind, *rows):
+        schedule = state.piece_schedule
+        return schedule.gated_delta_rule(*rows) if kind == "delta" else schedule.ssd(*rows)
 
-        for _ in range(repeats + 1):
-            parts = [t.clone().requires_grad_(True) for t in torch.split(local, widths, dim=1)]
-            w = weight.clone().requires_grad_(True)
-            torch.distributed.barrier()
-            t0 = time.perf_counter()
-            out = layer(mixer, conv, recur, parts[0], w, parts[1], parts[2])
-            out.square().mean().backward()
-            times.append(time.perf_counter() - t0)
-        if mixer == "gated_delta":
-            shape = MixerShape("gated_delta", CONV_WIDTH, channels(mixer), **DELTA)
-        else:
-            shape = MixerShape("mamba2", CONV_WIDTH, channels(mixer), heads=MAMBA["heads"], key_heads=MAMBA["groups"],
-                               key_dim=MAMBA["state"], value_dim=MAMBA["head_dim"])
-        moved = state.mixer_bytes_per_layer(shape, torch.float32)
+    def conv(rows, w):
+        return state.conv_plan(CONV_WIDTH)(rows, w, None)
+
+    for _ in range(repeats + 1):
+        parts = [t.clone().requires_grad_(True) for t in torch.split(local, widths, dim=1)]
+        w = weight.clone().requires_grad_(True)
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        out = layer(mixer, conv, recur, parts[0], w, parts[1], parts[2])
+        out.square().mean().backward()
+        times.append(time.perf_counter() - t0)
+    if mixer == "gated_delta":
+        shape = MixerShape("gated_delta", CONV_WIDTH, channels(mixer), **DELTA)
+    else:
+        shape = MixerShape("mamba2", CONV_WIDTH, channels(mixer), heads=MAMBA["heads"], key_heads=MAMBA["groups"],
+                           key_dim=MAMBA["state"], value_dim=MAMBA["head_dim"])
+    moved = state.mixer_bytes_per_layer(shape, torch.float32)
     return {"time": statistics.median(times[1:]), "library": moved.sent, "head_parallel": moved.head_parallel.sent}
 
 

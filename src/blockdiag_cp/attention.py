@@ -69,7 +69,7 @@ def cp_blockdiag_sdpa(
     features = LayerFeatures(sliding_window, softcap, sinks)
     if torch.compiler.is_compiling():  # Note [One opaque op] in opaque.py
         return _traced_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, features)
-    state = STEP_SLOT.current()
+    state = STEP_SLOT.reach()  # an attention call: the model reached the step
     if state is None:
         return _stock_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, features)
     query, key, value = autocast_inputs(query, key, value)

@@ -19,6 +19,14 @@ Note [Error policy]
   ``assert``, which ``python -O`` strips): it means a bug in blockdiag-cp, not bad input.
 - Misuse of the step protocol (two steps active at once, a checkpointed layer
   recomputed after its step ended) is a `RuntimeError` that says what to do instead.
+- A *model* blockdiag-cp cannot compute exactly (a token mixer that does not go through the
+  library, an argument of its attention the library would drop) is a `ModelRefusal`, a
+  `ValueError` naming the model or the layer and saying what to do instead (Note [Every token
+  mixer verified] in mixers/verify.py). It is raised before any work: when the model is loaded
+  or prepared, before its first layer runs, at its first affected attention call, or when a
+  step ends without the model having called the library at all. Each of these depends only on
+  the model, its config and the replicated document ids, so inside a step every rank raises the
+  same refusal at the same point, before the collective of that call: none is left waiting.
 """
 
 from __future__ import annotations
@@ -26,6 +34,18 @@ from __future__ import annotations
 
 class CPTypeError(TypeError, ValueError):
     """A value of the wrong type (also a `ValueError`, see Note [Error policy])."""
+
+
+class ModelRefusal(ValueError):
+    """A model (or one of its layers) blockdiag-cp cannot compute exactly: refused by name (Note [Error policy]).
+
+    Attributes:
+        reason: the refusal in a few words, without the advice (what ``docs/models.md``'s table shows).
+    """
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class InvariantError(AssertionError):

@@ -161,7 +161,7 @@ def _run(tensors, marks, call, scale, dropout_p, window, softcap, enable_gqa, is
     position_ids, cu_seq_lens, attn_mask = marks
     features = LayerFeatures(window, softcap, sinks)
     if call == "step":
-        state = STEP_SLOT.current()
+        state = STEP_SLOT.reach()  # an attention call: the model reached the step
         if state is None:  # the graph was traced inside a step: this run is its recompute after the step
             raise RuntimeError(
                 "attention was recomputed in backward (activation checkpointing) after the block-diagonal CP "

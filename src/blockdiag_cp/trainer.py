@@ -85,7 +85,7 @@ from .hf.scoring import STEP_ONLY_KEYS, ScoringSession
 from .hf.whole_batch import refuse_per_replica_losses
 from .hf.replica import ReplicaAccelerator, first_cp_rank_rows, share_from_cp_rank0
 from .loss import IGNORE_INDEX
-from .mixers import prepare_model, refuse_unrouted_mixers
+from .mixers import prepare_model
 from .step.slot import current_step
 from .step.rows import flatten_rows
 
@@ -181,8 +181,7 @@ class BlockDiagCPMixin:
         where = f"in {type(self).__name__} (packed rows{' under CP' if cp_size > 1 else ''})"
         for model in self._scored_models():
             refuse_virtual_tokens(model, where)
-            prepare_model(model)  # supported hybrid mixers run per document inside the steps
-            refuse_unrouted_mixers(model, where)
+            prepare_model(model, where)  # supported hybrid mixers run per document; a model not verified is refused
             _use_blockdiag_attention(model)
             if self._kind != "rows":
                 self._scoring.install(model)

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import blockdiag_cp
+from blockdiag_cp.testing import hang_timeout
 from blockdiag_cp.tools.cli import COMMANDS, OUT_DIR, build_parser, main
 
 HEAVY = ("torch", "transformers", "matplotlib")
@@ -20,7 +21,7 @@ def run_python(*args: str) -> subprocess.CompletedProcess:
     """A fresh interpreter (nothing imported yet), with this checkout's src/ first on the path."""
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, env=env, check=False)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=hang_timeout(120), env=env, check=False)
 
 
 @pytest.mark.parametrize(
@@ -77,7 +78,7 @@ def test_demo_short_run_matches_reference_and_writes_into_out(tmp_path):
     out = tmp_path / "new" / "folder"  # created by the CLI
     result = subprocess.run(
         [sys.executable, "-m", "blockdiag_cp", "demo", "--steps", "3", "--seq-len", "256", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, check=False,
+        capture_output=True, text=True, timeout=hang_timeout(600), check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "verdict: MATCH" in result.stdout and result.stdout.count(" match") == 3

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from blockdiag_cp.testing import hang_timeout
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 OWN_LOOP = ROOT / "examples" / "own_loop.py"
@@ -90,7 +92,7 @@ def test_own_loop_runs_under_torchrun_on_gloo():
     env["PYTHONPATH"] = src + os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else src
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(OWN_LOOP), "--steps", "2"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=hang_timeout(300))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"^step \d+/2\s+loss (\S+)$", proc.stdout, flags=re.M)]
     assert len(losses) == 2, proc.stdout

@@ -139,7 +139,7 @@ def disagree_worker(rank, world):
 
 @pytest.mark.slow
 def test_ranks_that_disagree_fail_together():
-    messages = spawn(disagree_worker, 3, timeout=120)
+    messages = spawn(disagree_worker, 3)
     assert all(m is not None and "disagree" in m for m in messages)
 
 
@@ -159,12 +159,12 @@ def group_mismatch_worker(rank, world):
 
 
 def test_cp_group_size_must_equal_mesh_size():
-    messages = spawn(group_mismatch_worker, 2, timeout=120)
+    messages = spawn(group_mismatch_worker, 2)
     assert all(m is not None and "mis-resolved" in m for m in messages)
 
 
 def test_multi_dimensional_mesh_is_refused():
-    messages = spawn(two_d_mesh_worker, 2, timeout=120)
+    messages = spawn(two_d_mesh_worker, 2)
     assert all(m is not None and "1-D" in m for m in messages)
 
 
@@ -205,7 +205,7 @@ def one_bad_rank_worker(rank, world):
 
 @pytest.mark.slow
 def test_a_batch_rejected_on_one_rank_fails_every_rank():
-    messages = spawn(one_bad_rank_worker, 3, timeout=120)
+    messages = spawn(one_bad_rank_worker, 3)
     assert "batch size must be 1" in messages[2]
     assert all(m is not None and "rank(s) [2] rejected" in m for m in messages[:2])
 
@@ -251,7 +251,7 @@ def fake_flash_padding_worker(rank, world, checkpoint=None):
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpoint", [None, "reentrant", "non_reentrant"])
 def test_autograd_native_kernel_on_a_padding_rank_keeps_collectives_matched(checkpoint):
-    results = spawn(fake_flash_padding_worker, 3, checkpoint, timeout=60)
+    results = spawn(fake_flash_padding_worker, 3, checkpoint)
     assert all(r.kernel == "flash" and r.out_err < 1e-12 and r.grad_err < 1e-12 for r in results)
 
 

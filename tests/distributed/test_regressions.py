@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from blockdiag_cp import CPConfig, cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
-from blockdiag_cp.testing import doc_ids_from_lengths, oracle_attention, spawn
+from blockdiag_cp.testing import doc_ids_from_lengths, hang_timeout, oracle_attention, spawn
 
 SEGMENTS = (5, 9, -2, 13, 4)  # S = 33; document 3 straddles ranks at cp = 2
 
@@ -268,7 +268,7 @@ def mismatch_worker(rank, world, what):
 @pytest.mark.parametrize("what", ["heads", "head_dim", "dtype"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_passing_different_shapes_or_dtypes_fail_together(what, world):
-    messages = spawn(mismatch_worker, world, what, timeout=120)
+    messages = spawn(mismatch_worker, world, what)
     assert all(m is not None and "disagree on the attention call" in m for m in messages), messages
 
 
@@ -292,7 +292,7 @@ def bad_shard_worker(rank, world):
 
 @pytest.mark.slow
 def test_a_rank_with_a_wrong_shard_fails_every_rank():
-    messages = spawn(bad_shard_worker, 3, timeout=120)
+    messages = spawn(bad_shard_worker, 3)
     assert "shard of length" in messages[1]
     assert all(m is not None and "rank(s) [1] rejected their attention call" in m for m in (messages[0], messages[2]))
 
@@ -320,7 +320,8 @@ def test_meta_inputs_embeds_are_a_clear_error():
     ],
 )
 def test_bad_settings_are_one_line_and_exit_code_2(argv, message):
-    result = subprocess.run([sys.executable, "-m", "blockdiag_cp", *argv], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "blockdiag_cp", *argv], capture_output=True, text=True,
+                            timeout=hang_timeout(120))
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
 

@@ -129,3 +129,77 @@ def test_sliding_window_outside_a_step_on_a_packed_row():
         logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
         scale = max(1.0, float(ref_logits.abs().max()))
         assert float((logits - ref_logits).detach().abs().max()) / scale <= ZOO[name][5], name
+
+
+# -- the sweep of every causal LM of transformers (blockdiag_cp.testing.zoo) ------------------------------------------
+
+from pathlib import Path  # noqa: E402
+
+from blockdiag_cp.testing import zoo as sweep  # noqa: E402
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "models.md"
+#: the fast loop's models, at cp 3 and both layouts: a control, Llama 4 with documents past its temperature floor
+#: (exact once prepared, refused unprepared), and one of each silently-wrong group of issue #34, refused by name
+CURATED = {
+    "llama": sweep.EXACT,
+    "llama4_text (full attention, temperature floor 4)": sweep.PREPARED,
+    "bloom": sweep.REFUSED,  # an own attention (ALiBi), outside the interface
+    "mamba": sweep.REFUSED,  # no attention layer at all
+    "doge": sweep.REFUSED,  # a learned mask handed to the attention
+}
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "balanced"])
+def test_curated_causal_lms_are_exact_or_refused_by_name_at_cp3(layout, rank_pools):
+    cases = [case for case in sweep.all_cases() if case.name in CURATED]
+    results = sweep.sweep(rank_pools(3).run, cases, layout)
+    assert {r.case: r.verdict for r in results} == CURATED, [(r.case, r.verdict, r.reason) for r in results]
+    reasons = {r.case: r.reason for r in results}
+    assert "BloomAttention" in reasons["bloom"] and "mask the model built itself" in reasons["doge"]
+
+
+@pytest.mark.slow
+def test_every_causal_lm_of_transformers_is_exact_or_refused_and_docs_show_the_sweep(rank_pools):
+    """The full sweep (Note [The zoo sweep]): no model silently wrong; docs/models.md's table is its rendering
+    (regenerate it with ``python -m blockdiag_cp.testing.zoo --write docs/models.md``)."""
+    results = sweep.sweep(rank_pools(2).run, sweep.all_cases(), "balanced")
+    bad = [(r.case, r.verdict, r.reason) for r in results if r.verdict not in sweep.ACCEPTED]
+    assert not bad, bad
+    assert len(results) == len(sweep.all_cases()) > 190
+    assert sweep.committed_table(DOCS) == sweep.render_table(results, 2, "balanced")
+
+
+def test_the_sweeps_verdicts_catch_a_wrong_result_and_a_crash():
+    """The verdict logic, on made-up numbers: past the tolerance is wrong, a non-refusal error is a crash."""
+
+    def run_wrong(model, ref, mesh, layout):
+        return 2 * sweep.TOLERANCE
+
+    def run_crash(model, ref, mesh, layout):
+        raise KeyError("x")
+
+    def run_refuse(model, ref, mesh, layout):
+        raise ValueError("blockdiag-cp: refused")
+
+    build = lambda: torch.nn.Linear(1, 1)  # noqa: E731
+    reference = sweep.Reference(build().state_dict(), torch.ones(1, 2, 3), {})
+    assert sweep._run_path(build, reference, None, "", (run_wrong,))[0] == sweep.WRONG
+    assert sweep._run_path(build, reference, None, "", (run_crash,))[0] == sweep.CRASHED
+    assert sweep._run_path(build, reference, None, "", (run_refuse,))[:2] == (sweep.REFUSED, "blockdiag-cp: refused")
+    want = torch.tensor([1.0, 2.0 + 1e-3], dtype=torch.float64)
+    assert sweep.relative(torch.tensor([1.0, 2.0], dtype=torch.float64), want) == pytest.approx(1e-3 / 2.001)
+    assert sweep.relative(torch.ones(2), torch.zeros(2), floor=4.0) == 0.25  # against the model's scale
+    assert sweep.relative(torch.zeros(2), torch.zeros(2)) == 0.0
+
+
+def test_the_table_is_written_between_its_markers_and_read_back(tmp_path):
+    results = [sweep.ZooResult("b", "BForCausalLM", sweep.REFUSED, "its own attention"),
+               sweep.ZooResult("a", "AForCausalLM", sweep.EXACT, "", 1e-12)]
+    table = sweep.render_table(results, 2, "balanced")
+    assert table.index("| `a` |") < table.index("| `b` |") and "refused: its own attention" in table
+    page = tmp_path / "models.md"
+    page.write_text("# Models\n\nprose\n")
+    sweep.write_table(page, table)
+    sweep.write_table(page, table.replace("own attention", "own attention!"))  # replaced, not appended
+    assert sweep.committed_table(page) == table.replace("own attention", "own attention!")
+    assert page.read_text().startswith("# Models\n\nprose\n") and page.read_text().count(sweep.BEGIN) == 1

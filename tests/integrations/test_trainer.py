@@ -14,6 +14,8 @@ import sys
 import pytest
 import torch
 
+from blockdiag_cp.testing import hang_timeout
+
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
@@ -24,7 +26,7 @@ from examples_module import EXAMPLES, ROOT, example  # noqa: E402
 def torchrun(nproc, script, *args, timeout=300, check=True):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(EXAMPLES / script), *args]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=hang_timeout(timeout), cwd=ROOT)
     if not check:
         return result
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -162,7 +164,7 @@ def test_fsdp2_example_equals_the_single_process_run():
     fsdp2 = example("train_fsdp2")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            str(EXAMPLES / "train_fsdp2.py"), "--dp", "2", "--cp", "2", "--steps", "3", "--seq-len", "256"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=hang_timeout(300), cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     logged = [float(x) for x in re.findall(r"step \d+/\d+  loss ([0-9.]+)", result.stdout)]
     reference = fsdp2.single_process_losses(dp=2, steps=3, seq_len=256)
@@ -177,7 +179,7 @@ def test_tp_cp_example_equals_the_single_process_run(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            str(EXAMPLES / "train_tp_cp.py"), "--cp", "2", "--tp", "2", "--steps", "2", "--seq-len", "256",
            "--save", str(tmp_path / "run.pt")]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=hang_timeout(300), cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     got, reference = torch.load(tmp_path / "run.pt"), tp_cp.single_process_run(dp=1, steps=2, seq_len=256)
     assert all(abs(a - b) <= 2e-6 * abs(b) for a, b in zip(got["losses"], reference["losses"])), (got, reference)

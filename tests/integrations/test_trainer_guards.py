@@ -12,6 +12,8 @@ import warnings
 import pytest
 import torch
 
+from blockdiag_cp.testing import hang_timeout
+
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
@@ -115,7 +117,7 @@ def test_seq_dims_reach_the_batch_and_bad_ones_are_refused(trainer_example, tmp_
 def test_examples_started_without_torchrun_say_how_in_one_line(script, argv):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     result = subprocess.run([sys.executable, str(EXAMPLES / script), *argv], capture_output=True, text=True,
-                            timeout=120, cwd=ROOT, env=env)
+                            timeout=hang_timeout(120), cwd=ROOT, env=env)
     assert result.returncode != 0
     lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
     assert len(lines) == 1 and "torchrun --standalone --nproc-per-node" in lines[0], lines
@@ -126,7 +128,7 @@ def test_a_refusal_under_torchrun_is_one_line_from_rank_0():
     """dp=2 (x cp=1) with even_batches=False: every rank refuses at construction, rank 0 says it once."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(EXAMPLES / "train_trainer.py"), "--cp", "1", "--uneven-batches"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=hang_timeout(300), cwd=ROOT)
     assert result.returncode != 0
     output = result.stdout + result.stderr
     ours = [line for line in output.splitlines() if line.startswith("error: ")]

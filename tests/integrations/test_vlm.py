@@ -10,6 +10,8 @@ placeholders are split across ranks round differently: the tolerances say so.
 import pytest
 import torch
 
+from blockdiag_cp.testing import hang_timeout
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -233,7 +235,7 @@ def test_vlm_example_under_torchrun_equals_the_single_process_run():
     train_vlm = example("train_vlm")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            str(root / "examples" / "train_vlm.py"), "--dp", "2", "--cp", "2", "--steps", "2"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=root)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=hang_timeout(400), cwd=root)
     assert result.returncode == 0, result.stdout + result.stderr
     logged = [float(x) for x in re.findall(r"step \d+/\d+  loss ([0-9.]+)", result.stdout)]
     reference = train_vlm.single_process_losses("qwen2_5_vl", dp=2, steps=2, per_row=6)

@@ -13,7 +13,10 @@
     model_checks.py  refusals of models the mixin cannot train exactly (PEFT virtual tokens, loss inputs)
 
 `prepare_model(model)` (from `blockdiag_cp.mixers`) routes a hybrid model's supported token
-mixers per document, on packed rows and inside CP steps. The Trainer mixin is `blockdiag_cp.trainer`.
+mixers per document, on packed rows and inside CP steps, gives Llama 4's temperature-tuned
+attention its document positions, and refuses by name a model whose token mixing it cannot
+verify to go through the library (Note [Every token mixer verified] in mixers/verify.py).
+The Trainer mixin is `blockdiag_cp.trainer`.
 """
 
 from ..mixers import prepare_model

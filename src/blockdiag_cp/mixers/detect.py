@@ -29,7 +29,9 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from .routing import PREPARED_KINDS, ROUTED_KIND, STATE_SPACE
+from ..errors import ModelRefusal
+from ..step.slot import STEP_SLOT
+from .marks import PREPARED_KINDS, ROUTED_KIND, STATE_SPACE
 
 #: layer kinds whose token mixing is attention that blockdiag-cp computes per document
 ROUTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
@@ -107,11 +109,11 @@ def find_unrouted_mixers(model: torch.nn.Module) -> tuple[UnroutedMixer, ...]:
     """Every token mixer of `model` outside the attention interface: its config's and its decoder modules',
     less those `prepare_model` routed. A flagged or routed module's own submodules are not searched."""
     routed = getattr(model, PREPARED_KINDS, frozenset())
-    return unrouted_config_mixers(getattr(model, "config", None), routed) + tuple(_module_mixers(_decoder(model)))
+    return unrouted_config_mixers(getattr(model, "config", None), routed) + tuple(_module_mixers(decoder_of(model)))
 
 
 def refuse_unrouted_mixers(model_or_config: Any, where: str, routed: frozenset[str] = frozenset()) -> None:
-    """`ValueError` naming the model's unrouted token mixers, if it has any.
+    """`ModelRefusal` (a `ValueError`) naming the model's unrouted token mixers, if it has any.
 
     Args:
         model_or_config: an ``nn.Module`` (config and modules are read) or a config.
@@ -124,10 +126,22 @@ def refuse_unrouted_mixers(model_or_config: Any, where: str, routed: frozenset[s
         found = unrouted_config_mixers(model_or_config, routed)
     if not found:
         return
+    if STEP_SLOT.in_step and not torch.compiler.is_compiling():
+        STEP_SLOT.note_reached()  # the model reached the library (Note [A step the model never reached])
+    raise ModelRefusal(_unrouted_message(found, where), unrouted_reason(found))
+
+
+def unrouted_reason(found: tuple[UnroutedMixer, ...]) -> str:
+    """The refusal of `found` in a few words: the kinds of mixer, layers first."""
+    kinds = list(dict.fromkeys(m.kind for m in sorted(found, key=lambda m: m.where.startswith("config."))))
+    return "token mixers outside attention (" + ", ".join(kinds[:3]) + (", ..." if len(kinds) > 3 else "") + ")"
+
+
+def _unrouted_message(found: tuple[UnroutedMixer, ...], where: str) -> str:
     routable = ("LFM2's short convolutions, the Gated DeltaNet of Qwen3-Next and Qwen3.5, and the Mamba2 mixers "
                 "of Nemotron-H, Bamba, Granite-4 hybrid and Falcon-H1")
     listed = "; ".join(m.describe() for m in found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
-    raise ValueError(
+    return (
         f"blockdiag-cp: {where}, this model mixes tokens outside the attention interface: {listed}. Such layers "
         "(gated delta rules, Mamba/state-space scans, short convolutions, recurrences, sparse or chunked attention) "
         "would carry their state and convolution window across document boundaries of a packed row, and under CP "
@@ -139,15 +153,16 @@ def refuse_unrouted_mixers(model_or_config: Any, where: str, routed: frozenset[s
     )
 
 
-def _decoder(model: torch.nn.Module) -> torch.nn.Module:
-    """The language part of `model` (transformers' ``get_decoder()``), else the whole model."""
+def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The language part of `model` (transformers' ``get_decoder()``, when it is a model with a config: ModernBERT's
+    decoder is its head), else the whole model."""
     get_decoder = getattr(model, "get_decoder", None)
     if callable(get_decoder):
         try:
             decoder = get_decoder()
         except (AttributeError, NotImplementedError, ValueError):
             decoder = None
-        if isinstance(decoder, torch.nn.Module):
+        if isinstance(decoder, torch.nn.Module) and getattr(decoder, "config", None) is not None:
             return decoder
     return model
 
@@ -160,20 +175,22 @@ def _module_mixers(root: torch.nn.Module) -> Iterator[UnroutedMixer]:
         if getattr(module, ROUTED_KIND, None) is not None:
             flagged.append(name)  # routed (routing.py): it and its submodules keep documents apart
             continue
-        why = _mixer_sign(module)
+        why = _mixer_sign(module, container=not name)
         if why is not None:
             flagged.append(name)
             yield UnroutedMixer(name or type(root).__name__, type(module).__name__, why)
 
 
-def _mixer_sign(module: torch.nn.Module) -> Optional[str]:
-    """Why `module` mixes tokens outside attention, or None."""
+def _mixer_sign(module: torch.nn.Module, container: bool = False) -> Optional[str]:
+    """Why `module` mixes tokens outside attention, or None. A `container` (the decoder itself) and a
+    normalisation (``MambaRMSNorm``) are not judged by their class names: they hold mixers, or act per token."""
     if isinstance(module, torch.nn.Conv1d):
         return "a Conv1d over the sequence"
     owned = [p for p in RECURRENCE_PARAMETERS if p in module._parameters]
     if owned:
         return f"owns {owned[0]}: the decay of a state-space or delta-rule recurrence"
-    words = [w for w in MIXER_CLASS_WORDS if w in type(module).__name__]
-    if words:
+    name = type(module).__name__
+    words = [w for w in MIXER_CLASS_WORDS if w in name]
+    if words and not container and not name.endswith("Norm"):
         return f"a {words[0]} token mixer"
     return None

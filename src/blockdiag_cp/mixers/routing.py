@@ -19,7 +19,9 @@ can replace, and they never see ``position_ids``. So `prepare_model` installs, p
   through ``__call__``, so a recompute gets them again.
 - on the model, a forward pre-hook telling the active step which layer kinds are routed
   (`CallNotes.routed_mixers`), and on every submodule the kinds (`PREPARED_KINDS`), which the
-  attention layers read before refusing a packed row.
+  attention layers read before refusing a packed row. Outside a step the same hook lends the
+  call's marks to the attention modules too (`MODEL_CALL`): a model whose decoder layers do not
+  hand their attention ``position_ids`` (CTRL, GPT-BigCode) still attends a packed row per document.
 
 A packed row's forward does not fill a cache's convolution or recurrent states (continuing
 several documents from one cache has no meaning): the cache is marked, and a later call
@@ -43,13 +45,10 @@ import torch
 import torch.nn.functional as F
 
 from ..step.doc_ids import position_breaks
+from .marks import PREPARED_KINDS, ROUTED_KIND, STATE_SPACE
 from ..step.slot import STEP_SLOT, current_step
 from ..eager import eager_under_compile
 
-#: attribute set on a routed mixer instance: the layer kinds it serves (``("conv",)``)
-ROUTED_KIND = "blockdiag_cp_mixer_kind"
-#: attribute set on a prepared model and all its submodules: the layer kinds its mixers route
-PREPARED_KINDS = "blockdiag_cp_routed_kinds"
 #: attribute a decoder layer's pre-hook sets on its routed mixer for one call (`RowMarks`)
 ROW_MARKS = "blockdiag_cp_row_marks"
 #: attribute set on a decoder layer whose hooks lend its mixers their `RowMarks`
@@ -58,8 +57,10 @@ LENDS_MARKS = "blockdiag_cp_lends_row_marks"
 LENDERS = "blockdiag_cp_lenders"
 #: attribute of those layers while the model runs outside a step: the model call's `RowMarks`
 MODEL_CALL = "blockdiag_cp_model_call"
-#: the layer kind the size-only detection reports (a config without a layer-type list: Bamba, Falcon-H1)
-STATE_SPACE = "state_space"
+#: attribute of a prepared model: its modules whose attention reaches the interface (they get `MODEL_CALL` too)
+ATTENDERS = "blockdiag_cp_attenders"
+#: attribute of a prepared model: its `verify.ModelCheck` (set by `prepare_model` once the model is verified)
+PREPARED = "blockdiag_cp_prepared"
 
 
 class RowMarks(NamedTuple):
@@ -80,8 +81,11 @@ def per_document_state(module: torch.nn.Module, hidden_states: torch.Tensor, att
     layer's own forward, which fills the cache for decoding.
     """
     state = current_step()
-    if state is not None or hidden_states.shape[0] != 1:
+    if state is not None:
+        STEP_SLOT.note_reached()  # Note [A step the model never reached] in step/slot.py
         return state
+    if hidden_states.shape[0] != 1:
+        return None
     marks = getattr(module, ROW_MARKS, None) or RowMarks(None, None)
     cu = kwargs.get("cu_seq_lens_q", marks.cu_seq_lens_q)
     mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 else None
@@ -221,17 +225,24 @@ ROUTED_MIXERS: Mapping[str, tuple[tuple[str, ...], Callable]] = types.MappingPro
 })
 
 
-def prepare_model(model: torch.nn.Module) -> frozenset[str]:
-    """Route every supported token mixer of `model` (idempotent); return the layer kinds routed.
+def prepare_model(model: torch.nn.Module, where: str = "in prepare_model") -> frozenset[str]:
+    """Make `model` ready for packed rows and CP steps (idempotent); return the layer kinds its mixers route.
 
-    Models without such mixers are left as they are. Call it once after loading (the Trainer
-    mixin does, and so does `blockdiag_cp.hf.prepare_model`); mixers it does not support stay
-    refused, naming them. Note [Routed token mixers] says what it installs.
+    Routes every supported token mixer per document (Note [Routed token mixers]), gives Llama 4's
+    temperature-tuned attention its document positions (Note [Query temperature by document position]
+    in temperature.py), then verifies that every token mixer goes through the library and refuses the
+    model by name (`ModelRefusal`, `where` it was found) otherwise (Note [Every token mixer verified]
+    in verify.py). The Trainer mixin and `blockdiag_cp.hf.from_pretrained` / `from_config` call it.
     """
+    from .detect import decoder_of
+    from .temperature import install_temperature
+    from .verify import verify_model
+
     kinds: set[str] = set()
     modules = dict(model.named_modules())
     lenders: list[torch.nn.Module] = list(getattr(model, LENDERS, ()))
     for name, module in modules.items():
+        install_temperature(module)
         routed = ROUTED_MIXERS.get(type(module).__name__)
         if routed is None:
             continue
@@ -243,12 +254,17 @@ def prepare_model(model: torch.nn.Module) -> frozenset[str]:
             lenders.append(modules.get(name.rpartition(".")[0], model))
             _hand_marks_from(lenders[-1])
         kinds.update(served)
-    if kinds and getattr(model, PREPARED_KINDS, None) is None:
-        for module in modules.values():
-            setattr(module, PREPARED_KINDS, frozenset(kinds))
+    if getattr(model, LENDERS, None) is None:  # the model's hooks, once
+        if kinds:
+            for module in modules.values():
+                setattr(module, PREPARED_KINDS, frozenset(kinds))
         setattr(model, LENDERS, tuple(lenders))
         model.register_forward_pre_hook(_note_the_call, with_kwargs=True)
         model.register_forward_hook(_end_the_call, always_call=True)
+    check = verify_model(model, where)
+    setattr(model, PREPARED, check)
+    decoder = dict(decoder_of(model).named_modules())
+    setattr(model, ATTENDERS, tuple(decoder[path] for path in check.attention))
     return frozenset(kinds)
 
 
@@ -269,14 +285,9 @@ def _lend_marks(layer: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         kwargs = {**kwargs.get("kwargs", {}), **kwargs} if isinstance(kwargs.get("kwargs"), dict) else kwargs
     position_ids = kwargs.get("position_ids")
     marks = RowMarks(position_ids if isinstance(position_ids, torch.Tensor) else None, kwargs.get("cu_seq_lens_q"))
-    if marks == (None, None) and current_step() is None and _packed(getattr(layer, MODEL_CALL, None)):
-        raise ValueError(
-            f"blockdiag-cp: this model was called on a packed row (position_ids that restart), but its "
-            f"{type(layer).__name__} is not handed position_ids, so neither its attention nor its token mixer "
-            "can see the documents. Pass cu_seq_lens_q / max_length_q as well (DataCollatorWithFlattening("
-            "return_flash_attn_kwargs=True)), or run the row inside a CP step (make_cp_blockdiag_batch_and_ctx, "
-            "world 1 for one process)."
-        )
+    call = getattr(layer, MODEL_CALL, None)
+    if marks == (None, None) and current_step() is None and _packed(call):
+        marks = call  # a layer not handed the positions (Granite-4 hybrid): the model call's are the row's
     _set_marks(layer, marks)
 
 
@@ -301,19 +312,35 @@ def _set_marks(layer: torch.nn.Module, marks: Optional[RowMarks]) -> None:
 
 @eager_under_compile  # host work on the call's marks: not traced
 def _note_the_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook of a prepared model. Inside a step: the step learns which mixer kinds the
-    model routes. Outside: its lending layers keep the call's marks (`MODEL_CALL`), so that one
-    not handed them can refuse a packed row (checked only there: no host sync otherwise)."""
+    """Forward pre-hook of a prepared model. Inside a step: the model must still run the library's
+    attention (else `ModelRefusal`, before its first layer), and the step learns which mixer kinds it
+    routes. Outside: its lending layers keep the call's marks (`MODEL_CALL`), so that one not handed
+    them can refuse a packed row (checked only there: no host sync otherwise)."""
     state = current_step()
     if state is not None:
-        state.call_notes.record_routed_mixers(getattr(model, PREPARED_KINDS))
+        _refuse_another_implementation(model)
+        state.call_notes.record_routed_mixers(getattr(model, PREPARED_KINDS, frozenset()))
         return
     call = RowMarks(kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"))
-    for layer in getattr(model, LENDERS, ()):
+    for layer in (*getattr(model, LENDERS, ()), *getattr(model, ATTENDERS, ())):
         setattr(layer, MODEL_CALL, call)
+
+
+def _refuse_another_implementation(model: torch.nn.Module) -> None:
+    """`ModelRefusal` at step entry when the prepared model's (text) attention is not ``"blockdiag_cp"``."""
+    from .temperature import IMPLEMENTATION
+    from .verify import refusal
+
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    implementation = getattr(text, "_attn_implementation", IMPLEMENTATION)
+    if implementation != IMPLEMENTATION:
+        raise refusal(type(model).__name__, "at the start of its forward inside a CP step",
+                      f"its attention runs attn_implementation={implementation!r}, not {IMPLEMENTATION!r}",
+                      f"Call model.set_attn_implementation({IMPLEMENTATION!r}) before the step.")
 
 
 @eager_under_compile  # host work on the call's marks: not traced
 def _end_the_call(model: torch.nn.Module, *_: Any) -> None:
-    for layer in getattr(model, LENDERS, ()):
+    for layer in (*getattr(model, LENDERS, ()), *getattr(model, ATTENDERS, ())):
         setattr(layer, MODEL_CALL, None)

@@ -22,6 +22,19 @@ lock. It is the only module-level object that changes, and it holds:
 (a compiled function has one graph for inside steps and one for outside), where a lock
 or the state object itself (new every step) would break the graph or recompile it.
 
+Note [A step the model never reached]
+-------------------------------------
+A model whose token mixing never reaches blockdiag-cp (another ``attn_implementation``, its
+own attention path, no attention layer at all) runs inside ``train_ctx()`` without an error:
+each rank computes on its shard alone, a silently wrong result. So the slot counts the calls
+the model's token mixers make in the step (attention calls, through `StepSlot.reach`; routed mixer
+calls; a refusal the library raised in the step counts too: the user saw it; `gather_sequence` and
+the losses do not: they are not the model's), and a step that exits cleanly without any raises
+`ModelRefusal` on leaving ``train_ctx()``: after the user's backward,
+before their optimizer step (which the README's loop and the Trainer run after the block).
+Every rank runs the same model, so every rank makes no call alike and raises alike; a step
+left by an exception is left as it is (that error is the one to see).
+
 Note [Late recompute]
 ---------------------
 Activation checkpointing re-runs a layer's forward during ``loss.backward()``. If
@@ -37,6 +50,7 @@ step starts, the note is dropped, so later ordinary checkpointed calls are untou
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import weakref
@@ -102,6 +116,7 @@ class _ActiveStep:
     step_id: int
     depth: int = 1
     backward_seen: bool = False
+    reached: int = 0
     calls: set[CallSignature] = field(default_factory=set)
     agreed: set[CallSignature] = field(default_factory=set)
 
@@ -115,6 +130,11 @@ class StepSlot:
         self._ended: Optional[EndedStep] = None
         self._next_id = 0
         self._implicit: dict[tuple, Optional["StepState"]] = {}
+        self._row_marks: dict[int, tuple[int, torch.Tensor]] = {}
+        self._row_owners: set[int] = set()
+        # keys whose source was freed: finalizers only append here (a finalizer may run inside a locked block,
+        # when freeing one cached tensor frees another: taking the lock there would deadlock)
+        self._freed: collections.deque = collections.deque()
         self.in_step = False  # written under the lock, read without it (see the module docstring)
         self.kept = KeptGraphs()
 
@@ -122,11 +142,21 @@ class StepSlot:
         with self._lock:
             return None if self._active is None else self._active.state
 
+    def reach(self) -> Optional["StepState"]:
+        """`current`, for a token mixer of the model that reaches the library (an attention call: it counts
+        for Note [A step the model never reached], whether it then succeeds or is refused)."""
+        with self._lock:
+            if self._active is None:
+                return None
+            self._active.reached += 1
+            return self._active.state
+
     @contextlib.contextmanager
     def activate(self, state: "StepState") -> Iterator["StepState"]:
         """Make `state` the active step for the duration of the block (re-entrant for the same state)."""
         with self._lock:
             if self._active is not None and self._active.state is not state:
+                self._active.reached += 1  # the library refused in the step: Note [A step the model never reached]
                 raise RuntimeError(
                     "another block-diagonal CP step is already active; exit its train_ctx() "
                     "before entering the next one"
@@ -139,19 +169,33 @@ class StepSlot:
                 self._active.depth += 1
         try:
             yield state
-        finally:
+        except BaseException:
             with self._lock:
                 self._release()
+            raise
+        with self._lock:
+            ended = self._release()
+        if ended is not None and not ended.calls and not ended.reached:
+            raise _never_reached()
 
-    def _release(self) -> None:
+    def _release(self) -> Optional[_ActiveStep]:
+        """Leave one level of the active step; return its book-keeping when the step ended."""
         active = self._active
         active.depth -= 1
         if active.depth:
-            return
+            return None
         self._active = None  # the step's tensors go with the state
         self.in_step = False
         if active.calls and not active.backward_seen:
             self._ended = EndedStep(active.step_id, frozenset(active.calls))
+        return active
+
+    def note_reached(self) -> None:
+        """The model reached the library in the active step: a routed token mixer, transformers' attention
+        interface, or a refusal of the library (Note [A step the model never reached])."""
+        with self._lock:
+            if self._active is not None:
+                self._active.reached += 1
 
     def note_call(self, call: CallSignature) -> int:
         """Record an attention call of the active step; return the step's id for its marker."""
@@ -194,6 +238,7 @@ class StepSlot:
         """
         key = (tag, *((id(t), t._version) if t is not None else None for t in sources))
         with self._lock:
+            self._forget_freed()
             if key in self._implicit:
                 return self._implicit[key]
         state = build()
@@ -203,12 +248,56 @@ class StepSlot:
             self._implicit[key] = state
         for t in sources:
             if t is not None:
-                weakref.finalize(t, self._drop_implicit, key)
+                weakref.finalize(t, self._freed.append, ("implicit", key))
         return state
 
-    def _drop_implicit(self, key: tuple) -> None:
+    def _forget_freed(self) -> None:
+        """Drop the entries whose source was freed (called with the lock held)."""
+        while self._freed:
+            kind, key = self._freed.popleft()
+            if kind == "implicit":
+                self._implicit.pop(key, None)
+            else:
+                self._row_marks.pop(key, None)
+                self._row_owners.discard(key)
+
+    def note_row_marks(self, owner: object, length: int, cu_seqlens: Optional[torch.Tensor]) -> None:
+        """The documents transformers' mask function marked on the row of `length` tokens that `owner`'s
+        (a config's) attention layers are about to attend outside a step (None: none marked, one document).
+        Replaced by the next note for `owner`, dropped with it (hf/interface.py, Note [Rows whose layers
+        are not handed positions])."""
+        key = id(owner)
         with self._lock:
-            self._implicit.pop(key, None)
+            self._forget_freed()
+            known = key in self._row_owners
+            self._row_owners.add(key)
+            if cu_seqlens is None:
+                self._row_marks.pop(key, None)
+            else:
+                self._row_marks[key] = (length, cu_seqlens)
+        if not known:
+            weakref.finalize(owner, self._freed.append, ("row marks", key))
+
+    def row_marks(self, owner: object, length: int) -> Optional[torch.Tensor]:
+        """The ``cu_seqlens`` last noted for `owner`'s row of `length` tokens, else None."""
+        with self._lock:
+            self._forget_freed()
+            noted = self._row_marks.get(id(owner))
+        return noted[1] if noted is not None and noted[0] == length else None
+
+
+def _never_reached() -> Exception:
+    from ..errors import ModelRefusal
+
+    return ModelRefusal(
+        "blockdiag-cp: train_ctx() ended without the model calling blockdiag-cp's attention or a routed token mixer: "
+        "its tokens were mixed elsewhere (an attn_implementation other than 'blockdiag_cp', an attention of its own "
+        "that does not go through transformers' attention interface, or no attention layer at all), each rank on "
+        "its shard alone: this step's outputs and gradients are not per document, and are refused (do not apply "
+        "them). Load the model with blockdiag_cp.hf.from_pretrained / from_config (they check it) or call "
+        "blockdiag_cp.hf.prepare_model(model); a model they refuse trains without CP.",
+        "no call reached blockdiag-cp inside the step",
+    )
 
 
 STEP_SLOT = StepSlot()

@@ -1,4 +1,14 @@
-"""Real multi-process runs on gloo: `spawn` (fresh ranks per call) and `RankPool` (long-lived ranks)."""
+"""Real multi-process runs on gloo: `spawn` (fresh ranks per call) and `RankPool` (long-lived ranks).
+
+Note [Timeouts only a hang exceeds]
+-----------------------------------
+A timeout here exists to turn a hang (ranks waiting in unmatched collectives) into an error,
+never to judge speed: a correct run on a loaded machine (load average 20 on 2 cores) takes many
+times its idle time. So every harness timeout is generous, and every one is multiplied by
+`TIMEOUT_SCALE_VARIABLE` (``BLOCKDIAG_CP_TIMEOUT_SCALE=4`` on a crowded machine, or to wait
+longer for a debugger): `hang_timeout` is the one place that reads it, for `spawn`, `RankPool`
+and the test suite's subprocess launches.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +22,25 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+
+#: seconds a rank may take to exit once its work is done (then it is killed)
+JOIN_SECONDS = 30.0
+#: environment variable multiplying every harness timeout (a positive number; default 1)
+TIMEOUT_SCALE_VARIABLE = "BLOCKDIAG_CP_TIMEOUT_SCALE"
+
+
+def hang_timeout(seconds: float) -> float:
+    """`seconds` times ``$BLOCKDIAG_CP_TIMEOUT_SCALE`` (Note [Timeouts only a hang exceeds]); `ValueError` for a
+    scale that is not a positive number."""
+    raw = os.environ.get(TIMEOUT_SCALE_VARIABLE, "1")
+    try:
+        scale = float(raw)
+    except ValueError:
+        scale = float("nan")
+    if not scale > 0 or scale == float("inf"):
+        raise ValueError(f"{TIMEOUT_SCALE_VARIABLE}={raw!r}: expected a positive number (a factor on every timeout)")
+    return seconds * scale
 
 
 def _worker(rank: int, world: int, init_file: str, fn: Callable, args: tuple, results) -> None:
@@ -40,8 +69,10 @@ def spawn(fn: Callable, world: int, *args: Any, timeout: float = 300.0) -> list[
     """Run ``fn(rank, world, *args)`` in `world` fresh gloo processes; return results by rank.
 
     `fn` must be importable (module level). A failure on any rank, or no answer
-    within `timeout` seconds (a hang), raises `RuntimeError` with the rank's traceback.
+    within `timeout` seconds (a hang; scaled by `hang_timeout`), raises `RuntimeError` with
+    the rank's traceback.
     """
+    timeout = hang_timeout(timeout)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -53,7 +84,7 @@ def spawn(fn: Callable, world: int, *args: Any, timeout: float = 300.0) -> list[
             collected = _collect(results, procs, world, timeout)
         finally:
             for p in procs:
-                p.join(timeout=10)
+                p.join(timeout=hang_timeout(JOIN_SECONDS))
                 if p.is_alive():
                     p.kill()
     return [collected[r] for r in range(world)]
@@ -67,7 +98,8 @@ def _collect(results, procs, world: int, timeout: float) -> dict[int, Any]:
     while len(collected) < world:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise RuntimeError(f"spawned ranks did not finish within {timeout:.0f}s (hang?); got {sorted(collected)}")
+            raise RuntimeError(f"spawned ranks did not finish within {timeout:.0f}s (hang?); got {sorted(collected)} "
+                               f"(on a loaded machine, raise ${TIMEOUT_SCALE_VARIABLE})")
         try:
             rank, status, payload = results.get(timeout=min(remaining, 1.0))
         except queue_module.Empty:
@@ -105,13 +137,13 @@ class RankPool:
     Saves the process start-up per task, so hundreds of small parity checks stay fast.
     Use as a context manager. Every task waits for all ranks' replies (replies of an
     earlier task are discarded by id), so one failing task cannot shift the next one's
-    results; a rank that dies or a task that outlives `timeout` marks the pool `broken`
+    results; a rank that dies or a task that outlives `timeout` (scaled by `hang_timeout`) marks the pool `broken`
     (its ranks may sit in an unmatched collective): make a new one.
     """
 
     def __init__(self, world: int, timeout: float = 300.0, failure_grace: float = 30.0) -> None:
         ctx = mp.get_context("spawn")
-        self.world, self.timeout, self.failure_grace = world, timeout, failure_grace
+        self.world, self.timeout, self.failure_grace = world, hang_timeout(timeout), hang_timeout(failure_grace)
         self.broken = False
         self._task_id = 0
         self._tmp = tempfile.TemporaryDirectory()
@@ -154,7 +186,8 @@ class RankPool:
                 self.broken = True
                 if any(status == "error" for status, _ in replies.values()):
                     return replies  # the caller reports the failure
-                raise RuntimeError(f"pool ranks did not finish within {self.timeout:.0f}s (hang?); got {sorted(replies)}")
+                raise RuntimeError(f"pool ranks did not finish within {self.timeout:.0f}s (hang?); got {sorted(replies)} "
+                                   f"(on a loaded machine, raise ${TIMEOUT_SCALE_VARIABLE})")
             try:
                 got_id, rank, status, payload = self._results.get(timeout=min(remaining, 1.0))
             except queue_module.Empty:
@@ -178,7 +211,7 @@ class RankPool:
     def close(self) -> None:
         self.stop()
         for p in self._procs:
-            p.join(timeout=10)
+            p.join(timeout=hang_timeout(JOIN_SECONDS))
             if p.is_alive():
                 p.kill()
         self._tmp.cleanup()
