@@ -57,6 +57,7 @@ def test_bench_rejects_bad_document_spec():
             doc_lengths(bad, 100)
 
 
+@pytest.mark.slow  # spawns fresh ranks (seconds); the parity it prints is the fast loop's own
 def test_verify_passes_on_spawned_ranks(capsys):
     code = main(["verify", "--world", "2", "--segments", "20,-3,31,2,9", "--heads", "4", "--kv-heads", "1",
                  "--head-dim", "8", "--layout", "balanced", "--exchange", "ring"])

@@ -40,16 +40,15 @@ def per_document_sums(mesh):
     per-document sums and the gradient of ``sum_d (d + 1) * sums[d]`` at this rank's positions."""
     from blockdiag_cp import CPConfig, make_cp_blockdiag_batch_and_ctx
     from blockdiag_cp.loss import sum_per_document
-    from blockdiag_cp.step.slot import current_step
 
     ids = torch.tensor([ROWS[mesh.get_local_rank("dp")]])
     train_ctx, _ = make_cp_blockdiag_batch_and_ctx(mesh["cp"], None, {"input_ids": ids, "_packed_seq_ids": ids},
                                                    config=CPConfig(layout="balanced"))
-    with train_ctx():
-        positions = current_step().positions
-        values = torch.where(positions < ids.shape[1], positions + 1.0, 1000.0).double()[None].requires_grad_()
-        sums = sum_per_document(values)
-        (sums * torch.arange(1.0, sums.numel() + 1, dtype=torch.float64)).sum().backward()
+    state = train_ctx.state  # the step's plan, no model run (entering the step without one is refused)
+    positions = state.positions
+    values = torch.where(positions < ids.shape[1], positions + 1.0, 1000.0).double()[None].requires_grad_()
+    sums = sum_per_document(values, state=state)
+    (sums * torch.arange(1.0, sums.numel() + 1, dtype=torch.float64)).sum().backward()
     return positions.tolist(), sums.tolist(), values.grad[0].tolist()
 
 

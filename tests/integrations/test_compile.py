@@ -133,6 +133,7 @@ def test_fullgraph_compiled_layers_in_a_cp_step_train_like_the_run_without_cp(wo
         assert result[3]["breaks"] == 0, result[3]
 
 
+@pytest.mark.slow  # the fast loop compiles each block fullgraph (no break either)
 def test_whole_model_compile_in_a_cp_step_has_no_graph_break(reference, rank_pools):
     for result in rank_pools(2).run(cp_train, "balanced", None, True):
         assert_same_training(result, reference)
@@ -186,6 +187,7 @@ def count_graphs_over_rows(steps):
     return graphs
 
 
+@pytest.mark.slow  # compiles a model (seconds); the eager late recompute is refused in the fast loop (test_regressions)
 def test_a_compiled_layer_recomputed_after_its_step_is_refused():
     """Non-reentrant checkpointing around compiled layers, backward after train_ctx() exited: the
     recompute (a second graph, outside a step) raises instead of attending unsharded."""

@@ -219,7 +219,7 @@ def test_a_prepared_hybrid_under_cp_equals_each_document_alone(family, world, la
         assert_matches(result, alone, FAMILIES[family][4])
 
 
-@pytest.mark.parametrize("exchange", ["a2a", *(pytest.param(e, marks=pytest.mark.slow) for e in ("allgather", "halo", "ring"))])
+@pytest.mark.parametrize("exchange", [pytest.param(e, marks=pytest.mark.slow) for e in ("a2a", "allgather", "halo", "ring")])
 def test_every_cpu_exchange_carries_a_hybrids_attention_layers(exchange, rank_pools):
     """cp 3 balanced with checkpointing (documents cross two boundaries, pieces alternate ranks)."""
     alone = each_document_alone("nemotron_h", through_the_library=True)

@@ -56,6 +56,7 @@ def _probe(mode: str, **env: str) -> tuple[str, int, str]:
     return out[0], int(out[1]), out[2]
 
 
+@pytest.mark.slow  # child processes allocating hundreds of MB: seconds (the fast loop has the environment checks)
 @linux_glibc
 def test_kept_heap_reuses_freed_large_blocks():
     _, faults_default, account_default = _probe("default")

@@ -72,7 +72,7 @@ HEAD_PARALLEL = [(ex, kernel, layout, u) for u in (2, 4) for ex in ("a2a", "ring
                  for kernel in ("sdpa", "dense") for layout in ("contiguous", "balanced")]
 
 
-@pytest.mark.parametrize("world", [1, 3, 4])
+@pytest.mark.parametrize("world", [1, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_layer_calls_after_the_first_make_no_host_sync(world, rank_pools):
     if world == 1:
         results = [{combo: run_layers(None, *combo) for combo in COMBOS if combo[0] == "auto"}]
