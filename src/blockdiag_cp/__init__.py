@@ -58,7 +58,7 @@ if _typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time each n
     from .step.state import StepState
     from .step.world import make_cp_world_batch_and_ctx
 
-__version__ = "0.9.0"
+__version__ = "0.10.0"
 
 __all__ = (
     "CPConfig",
