@@ -420,3 +420,18 @@ def test_probe_random_strides_position_offsets_and_masks(pool2):
             assert out_err < 1e-10 and grad_err < 1e-10, (segs, starts, layout_kind, combo, layout, out_err, grad_err)
 
     probe()
+
+
+def new_group_worker(rank, world):
+    import torch.distributed as dist
+
+    dist.new_group(list(range(world)))
+
+
+def test_a_pool_reports_the_process_groups_its_ranks_hold(pool2):
+    """The suite replaces pools whose idle gloo groups would poll a small machine busy."""
+    pool2.run(new_group_worker)
+    before = pool2.groups_held
+    assert before >= 2  # the default group and the new one
+    pool2.run(new_group_worker)
+    assert pool2.groups_held == before + 1

@@ -113,6 +113,13 @@ def _collect(results, procs, world: int, timeout: float) -> dict[int, Any]:
     return collected
 
 
+def _groups_held() -> int:
+    """How many process groups this rank holds, the default one included."""
+    from torch.distributed import distributed_c10d
+
+    return len(distributed_c10d._world.pg_map)
+
+
 def _pool_worker(rank: int, world: int, init_file: str, tasks, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -123,9 +130,10 @@ def _pool_worker(rank: int, world: int, init_file: str, tasks, results) -> None:
                 break
             task_id, fn, args = task
             try:
-                results.put((task_id, rank, "ok", pickle.dumps(fn(rank, world, *args))))
+                reply = ("ok", pickle.dumps(fn(rank, world, *args)))
             except BaseException:  # report, keep serving: the parent decides
-                results.put((task_id, rank, "error", traceback.format_exc()))
+                reply = ("error", traceback.format_exc())
+            results.put((task_id, rank, *reply, _groups_held()))
     finally:
         dist.destroy_process_group()
     _exit_after_flush(results)
@@ -139,12 +147,17 @@ class RankPool:
     earlier task are discarded by id), so one failing task cannot shift the next one's
     results; a rank that dies or a task that outlives `timeout` (scaled by `hang_timeout`) marks the pool `broken`
     (its ranks may sit in an unmatched collective): make a new one.
+
+    Process groups the tasks make (each DeviceMesh makes its own) live as long as the ranks, and
+    each idle gloo group polls: a pool whose `groups_held` grew large should be replaced. Destroying
+    them between tasks is not an option: torch's DTensor caches keep meshes that name them.
     """
 
     def __init__(self, world: int, timeout: float = 300.0, failure_grace: float = 30.0) -> None:
         ctx = mp.get_context("spawn")
         self.world, self.timeout, self.failure_grace = world, hang_timeout(timeout), hang_timeout(failure_grace)
         self.broken = False
+        self.groups_held = 1  # the most process groups a rank holds, after the last task
         self._task_id = 0
         self._tmp = tempfile.TemporaryDirectory()
         self._tasks = [ctx.Queue() for _ in range(world)]
@@ -189,7 +202,7 @@ class RankPool:
                 raise RuntimeError(f"pool ranks did not finish within {self.timeout:.0f}s (hang?); got {sorted(replies)} "
                                    f"(on a loaded machine, raise ${TIMEOUT_SCALE_VARIABLE})")
             try:
-                got_id, rank, status, payload = self._results.get(timeout=min(remaining, 1.0))
+                got_id, rank, status, payload, groups = self._results.get(timeout=min(remaining, 1.0))
             except queue_module.Empty:
                 dead = [r for r, p in enumerate(self._procs) if p.exitcode is not None and r not in replies]
                 if dead:
@@ -198,6 +211,7 @@ class RankPool:
                 continue
             if got_id == task_id:
                 replies[rank] = (status, payload)
+                self.groups_held = max(self.groups_held, groups)
                 if status == "error":
                     deadline = min(deadline, time.monotonic() + self.failure_grace)
         return replies
