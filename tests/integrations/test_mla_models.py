@@ -20,6 +20,7 @@ from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
 import blockdiag_cp.hf as bhf  # noqa: E402  (registers "blockdiag_cp")
 from blockdiag_cp.testing import oracle_attention  # noqa: E402
+from blockdiag_cp.testing import zoo as sweep  # noqa: E402
 
 LENGTHS = (37, 1, 90, 5, 61)  # a 1-token document; at cp 2 and 3 documents straddle ranks
 VOCAB = 64
@@ -102,10 +103,7 @@ def make_model(name, attn):
 
 
 def packed_row():
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, VOCAB, (1, sum(LENGTHS)), generator=g)
-    pos = torch.cat([torch.arange(n) for n in LENGTHS]).unsqueeze(0)
-    return ids, pos
+    return sweep.packed_row(LENGTHS, VOCAB)
 
 
 def per_document_logits(model, ids):
@@ -138,16 +136,14 @@ def mean_next_token_loss(logits, ids):
 
 def relative(got, want):
     """Largest error over the tensor's scale (1 at least)."""
-    return float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
+    return sweep.relative(got, want, floor=1.0)
 
 
 def mla_worker(rank, world, names, layouts, checkpointing=None):
     """Per (family, layout): the worst relative error of logits, loss and parameter gradients under CP."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from blockdiag_cp import CPConfig, gather_sequence, make_cp_blockdiag_batch_and_ctx
-    from blockdiag_cp.loss import add_shift_labels
+    from blockdiag_cp import CPConfig
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"]
     worst = {}
@@ -159,22 +155,8 @@ def mla_worker(rank, world, names, layouts, checkpointing=None):
                 model.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
                 model.train()
-            ids, pos = packed_row()
-            batch = add_shift_labels({"input_ids": ids, "position_ids": pos})
-            train_ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh, None, batch, config=CPConfig(layout=layout))
-            with train_ctx():
-                logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-                loss = torch.nn.functional.cross_entropy(logits[0], batch["shift_labels"][0], reduction="sum") / sum(
-                    n - 1 for n in LENGTHS)
-                loss.backward()
-                full = gather_sequence(logits.detach())
-            total = loss.detach().clone()
-            dist.all_reduce(total, group=mesh.get_group())
-            grads = [p.grad.clone() for p in model.parameters()]
-            for grad in grads:
-                dist.all_reduce(grad, group=mesh.get_group())
-            worst[name, layout] = (relative(full, ref_logits), abs(float(total) - ref_loss) / max(1.0, abs(ref_loss)),
-                                   max(relative(g, r) for g, r in zip(grads, ref_grads)))
+            run = sweep.run_row_under_cp(model, mesh, CPConfig(layout=layout), LENGTHS, VOCAB)
+            worst[name, layout] = run.errors_against(ref_logits, ref_loss, ref_grads)
     return worst
 
 

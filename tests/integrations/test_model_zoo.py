@@ -45,10 +45,7 @@ def make_model(name, attn):
 
 
 def packed_row():
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, VOCAB, (1, sum(LENGTHS)), generator=g)
-    pos = torch.cat([torch.arange(n) for n in LENGTHS]).unsqueeze(0)
-    return ids, pos
+    return sweep.packed_row(LENGTHS, VOCAB)
 
 
 def reference(name):
@@ -67,45 +64,22 @@ def reference(name):
     return torch.cat(logits, 1), loss.item(), [p.grad.clone() for p in model.parameters()]
 
 
-def relative(got, want):
-    """Largest error over the tensor's scale (1 at least)."""
-    return float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
-
-
 def zoo_worker(rank, world, names):
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     import blockdiag_cp.hf  # noqa: F401
-    from blockdiag_cp import CPConfig, gather_sequence, make_cp_blockdiag_batch_and_ctx
-    from blockdiag_cp.loss import add_shift_labels
+    from blockdiag_cp import CPConfig
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"]
     worst = {}
     for name in names:
         ref_logits, ref_loss, ref_grads = reference(name)
-        tol = ZOO[name][5]
         for layout in ("contiguous", "balanced"):
             for exchange in EXCHANGES:
-                model = make_model(name, "blockdiag_cp")
-                ids, pos = packed_row()
-                batch = add_shift_labels({"input_ids": ids, "position_ids": pos})
-                config = CPConfig(layout=layout, kv_exchange=exchange)
-                train_ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh, None, batch, config=config)
-                with train_ctx():
-                    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-                    loss = torch.nn.functional.cross_entropy(logits[0].double(), batch["shift_labels"][0],
-                                                             reduction="sum") / sum(n - 1 for n in LENGTHS)
-                    loss.backward()
-                    full = gather_sequence(logits.detach())
-                total = loss.detach().clone()
-                dist.all_reduce(total, group=mesh.get_group())
-                grads = [p.grad.clone() for p in model.parameters()]
-                for grad in grads:
-                    dist.all_reduce(grad, group=mesh.get_group())
-                errors = (relative(full, ref_logits), abs(float(total) - ref_loss) / max(1.0, abs(ref_loss)),
-                          max(relative(g, r) for g, r in zip(grads, ref_grads)))
-                worst[name, layout, exchange] = (max(errors), tol)
+                run = sweep.run_row_under_cp(make_model(name, "blockdiag_cp"), mesh,
+                                             CPConfig(layout=layout, kv_exchange=exchange), LENGTHS, VOCAB)
+                worst[name, layout, exchange] = (max(run.errors_against(ref_logits, ref_loss, ref_grads)),
+                                                 ZOO[name][5])
     return worst
 
 

@@ -170,11 +170,11 @@ def _build(model_class: type, config: Any, implementation: str) -> torch.nn.Modu
     return model.eval()
 
 
-def packed_row() -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids [1, S], position_ids [1, S])`` of the documents `LENGTHS`, tokens from [1, `ROW_TOKENS`)."""
+def packed_row(lengths: Sequence[int] = LENGTHS, vocab: int = ROW_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids [1, S], position_ids [1, S])`` of documents of `lengths`, tokens from [1, `vocab`), seeded."""
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, ROW_TOKENS, (1, sum(LENGTHS)), generator=g)
-    return ids, torch.cat([torch.arange(n) for n in LENGTHS]).unsqueeze(0)
+    ids = torch.randint(1, vocab, (1, sum(lengths)), generator=g)
+    return ids, torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
 
 
 @dataclass(frozen=True)
@@ -244,29 +244,64 @@ def _outside_a_step(model: torch.nn.Module, reference: Reference, mesh: Any, lay
 
 
 def _in_a_step(model: torch.nn.Module, reference: Reference, mesh: Any, layout: str) -> float:
+    run = run_row_under_cp(model, mesh, _cp_config(layout))
+    scale = max((float(g.abs().max()) for g in reference.grads.values()), default=0.0)
+    errors = [relative(run.logits, reference.logits)]
+    for name, grad in run.grads.items():
+        errors.append(relative(grad, reference.grads.get(name, torch.zeros_like(grad)), floor=scale))
+    return max(errors)
+
+
+def _cp_config(layout: str) -> Any:
+    from .. import CPConfig
+
+    return CPConfig(layout=layout)
+
+
+@dataclass(frozen=True)
+class RowUnderCP:
+    """One forward and backward of a packed row under CP, put together on every rank."""
+
+    logits: torch.Tensor  # [1, S, V]: the whole row's
+    loss: float  # the row's mean next-token loss (the ranks' parts summed)
+    grads: dict  # parameter name -> its gradient summed over the CP group (zeros where none arrived)
+
+    def errors_against(self, logits: torch.Tensor, loss: float, grads: Sequence[torch.Tensor]) -> tuple:
+        """``(logits, loss, worst gradient)`` relative errors, each over its reference's scale (1 at least);
+        `grads` in parameter order."""
+        return (relative(self.logits, logits, floor=1.0), abs(self.loss - loss) / max(1.0, abs(loss)),
+                max(relative(g, r, floor=1.0) for g, r in zip(self.grads.values(), grads)))
+
+
+def run_row_under_cp(model: torch.nn.Module, mesh: Any, config: Any, lengths: Sequence[int] = LENGTHS,
+                     vocab: int = ROW_TOKENS) -> RowUnderCP:
+    """`packed_row` of `lengths` through `model` in a CP step on the 1-D `mesh`: logits, mean loss, gradients.
+
+    Leaves the model's gradients cleared. Every rank of `mesh` calls it.
+    """
     import torch.distributed as dist
 
-    from .. import CPConfig, gather_sequence, make_cp_blockdiag_batch_and_ctx
+    from .. import gather_sequence, make_cp_blockdiag_batch_and_ctx
     from ..loss import add_shift_labels
 
-    ids, positions = packed_row()
+    ids, positions = packed_row(lengths, vocab)
     batch = add_shift_labels({"input_ids": ids, "position_ids": positions})
-    train_ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh, None, batch, config=CPConfig(layout=layout))
+    train_ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh, None, batch, config=config)
     with train_ctx():
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(logits[0].double(), batch["shift_labels"][0], reduction="sum")
-        (loss / (sum(LENGTHS) - len(LENGTHS))).backward()
+        loss = loss / (sum(lengths) - len(lengths))
+        loss.backward()
         full = gather_sequence(logits.detach())
     group = mesh.get_group()
-    errors = [relative(full, reference.logits)]
-    scale = max((float(g.abs().max()) for g in reference.grads.values()), default=0.0)
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    grads = {}
     for name, param in model.named_parameters():
-        grad = torch.zeros_like(param) if param.grad is None else param.grad.clone()
-        dist.all_reduce(grad, group=group)
-        want = reference.grads.get(name, torch.zeros_like(param))
-        errors.append(relative(grad, want, floor=scale))
+        grads[name] = torch.zeros_like(param) if param.grad is None else param.grad.clone()
+        dist.all_reduce(grads[name], group=group)
     model.zero_grad(set_to_none=True)
-    return max(errors)
+    return RowUnderCP(full, float(total), grads)
 
 
 def relative(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> float:
