@@ -244,18 +244,14 @@ def _outside_a_step(model: torch.nn.Module, reference: Reference, mesh: Any, lay
 
 
 def _in_a_step(model: torch.nn.Module, reference: Reference, mesh: Any, layout: str) -> float:
-    run = run_row_under_cp(model, mesh, _cp_config(layout))
+    from .. import CPConfig
+
+    run = run_row_under_cp(model, mesh, CPConfig(layout=layout))
     scale = max((float(g.abs().max()) for g in reference.grads.values()), default=0.0)
     errors = [relative(run.logits, reference.logits)]
     for name, grad in run.grads.items():
         errors.append(relative(grad, reference.grads.get(name, torch.zeros_like(grad)), floor=scale))
     return max(errors)
-
-
-def _cp_config(layout: str) -> Any:
-    from .. import CPConfig
-
-    return CPConfig(layout=layout)
 
 
 @dataclass(frozen=True)
