@@ -75,7 +75,7 @@ from .step.batch import check_seq_dims, make_cp_blockdiag_batch_and_ctx
 from .step.world import make_cp_world_batch_and_ctx
 from .config import CPConfig
 from .errors import CPTypeError
-from .hf.metrics import FusedOutputs, kept_totals, logged_metrics, token_fields
+from .hf.metrics import FusedOutputs, kept_replicas, kept_totals, logged_metrics, token_fields
 from .hf.losses import RowsStep, ShardLabelSmoother, UnshardedLossFunction, rescale_shard_mean, unshard_rows
 from .hf.model_checks import check_loss_inputs, refuse_virtual_tokens
 from .hf.moe import BalanceStep, RouterBalance, aux_loss_enabled
@@ -450,10 +450,10 @@ class BlockDiagCPMixin:
         else:
             keep = functools.partial(first_cp_rank_rows, dp=self.dp_size, cp=self.cp_size)
             data = recursively_apply(keep, self.accelerator.gather(data))
-        state = self.accelerator.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            return data[: state.remainder] if use_gather_object else recursively_apply(lambda t: t[: state.remainder], data)
-        return data
+        kept = kept_replicas(self.accelerator.gradient_state)
+        if kept is None:
+            return data
+        return data[:kept] if use_gather_object else recursively_apply(lambda t: t[:kept], data)
 
 
 class BlockDiagCPTrainer(BlockDiagCPMixin, transformers.Trainer):

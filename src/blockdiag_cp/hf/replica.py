@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .metrics import kept_replicas
+
 
 class ReplicaAccelerator:
     """accelerate's ``Accelerator`` as one dp replica sees it (Note [Trainer code runs per replica ...]).
@@ -65,10 +67,8 @@ class ReplicaAccelerator:
         if use_gather_object:
             raise ValueError("gather_for_metrics(use_gather_object=True) is not supported per replica under CP")
         data = self.gather(input_data)
-        state = self._accelerator.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            return recursively_apply(lambda t: t[: state.remainder], data)
-        return data
+        kept = kept_replicas(self._accelerator.gradient_state)
+        return data if kept is None else recursively_apply(lambda t: t[:kept], data)
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """Sum (or mean) over the replicas."""
