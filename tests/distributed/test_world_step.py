@@ -224,3 +224,23 @@ def test_ranks_beyond_the_tokens_hold_one_padding_position_each(rank_pools):
     for ids, targets, mask, positions, replica in padding:
         assert targets == [[-100]] and mask == [[True]] and positions == [[0]] and replica == [-1]
     assert sorted(o[4] for o in real) == [[0], [1]] and all(o[2] == [[False]] for o in real)
+
+
+def sliced_mesh_worker(rank, world):
+    """The whole-batch step on the (dp, cp) slice of a larger mesh (pipeline stages around it): each slice's
+    group ranks are not its global ranks, and in the second layout a slice's ranks are not even consecutive."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from blockdiag_cp.testing.world_parity import run_world_case
+
+    stages = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "cp"))  # slices [0, 1], [2, 3]
+    inner = run_world_case(WorldCase(((5, 9, -2, 13, 1, 2, 3),), 2, kernel="sdpa"), stages["dp", "cp"])
+    strided = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp", "pp", "cp"))  # slices [0, 2], [1, 3]
+    outer = run_world_case(WorldCase(((6, 20), (3, -2, 3, 3)), 1, kernel="sdpa"), strided["dp", "cp"])
+    return inner, outer
+
+
+def test_a_dp_cp_slice_of_a_larger_mesh_plans_over_its_own_ranks(rank_pools):
+    for inner, outer in rank_pools(4).run(sliced_mesh_worker):
+        for r in (inner, outer):
+            assert r.out_err < TOL and r.grad_err < TOL, r

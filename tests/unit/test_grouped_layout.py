@@ -225,6 +225,18 @@ def test_padding_runs_are_placed_as_tokens_and_a_token_cap_of_one_is_equal_shard
     assert plan.padded_len == ids.numel() and max(plan.local_lens) <= ids.numel() // 4 + 1
 
 
+@pytest.mark.parametrize("segments", [(300, -120, 80, 80, -40, 220), (3000, -1200, 800, 800, -400, 2200),
+                                      (5000, -2000, 300, 300, 300), (4096, 1500, -700, 600, 500, -900, 1200)])
+def test_padding_runs_go_to_the_least_busy_ranks_where_the_cap_leaves_room(segments):
+    """Padding costs only its tokens' time: with room under the default cap it fills the ranks whose modeled
+    time is lowest, so the step stays at the ideal (spread evenly it would cost 6-11% here)."""
+    lengths = np.abs(np.array(segments, dtype=np.int64))
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    placement = place_runs(starts, lengths, np.array(segments) > 0, 4, PlanOptions())
+    assert placement.step_seconds <= 1.01 * placement.ideal, placement.seconds / placement.ideal
+    assert int(placement.tokens.sum()) == int(lengths.sum())
+
+
 @pytest.mark.parametrize("knob, value, message", [
     ("token_cap", 0.9, "token_cap"), ("token_cap", float("inf"), "token_cap"), ("ranks_per_node", 0, "ranks_per_node"),
     ("costs", "fast", "StepCosts"), ("window", 0, "window")])
@@ -252,6 +264,35 @@ def test_step_costs_from_a_config_and_bad_numbers():
                 dict(token_seconds=0.0, pair_seconds=0.0)):
         with pytest.raises(ValueError):
             StepCosts(**bad)
+
+
+def test_step_costs_of_mla_count_a_pair_at_query_key_plus_value_width():
+    """A query-key pair costs ``7 H (D_qk + D_v)`` FLOPs per attention layer (Note [The step's cost model]); MLA's
+    widths differ (24 and 12 here), so counting either one twice is visible."""
+    transformers = pytest.importorskip("transformers")
+    mla = transformers.DeepseekV3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, qk_nope_head_dim=16,
+                                        qk_rope_head_dim=8, v_head_dim=12, kv_lora_rank=16, q_lora_rank=None,
+                                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    costs = StepCosts.from_config(mla, tflops=1e-12)  # seconds == FLOPs
+    assert costs.pair_seconds == pytest.approx(7 * 4 * (24 + 12) * 2)
+
+
+def test_step_costs_of_moe_count_the_active_experts_not_all_of_them():
+    """Per token, an MoE layer runs its `num_experts_per_tok` experts of `moe_intermediate_size`; the total expert
+    count changes the parameters, not a token's work."""
+    transformers = pytest.importorskip("transformers")
+
+    def qwen3_moe(**experts):
+        return transformers.Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                                           moe_intermediate_size=32, vocab_size=100, **experts)
+
+    costs = StepCosts.from_config(qwen3_moe(num_experts=64, num_experts_per_tok=2), tflops=1e-12)
+    projections = 64 * (4 * 32 + 2 * 32)  # q, o at 4 heads and k, v at 2, each 16 wide
+    assert costs.token_seconds == pytest.approx(6 * (2 * (projections + 3 * 64 * 32 * 2) + 64 * 100))
+    assert StepCosts.from_config(qwen3_moe(num_experts=8, num_experts_per_tok=2), tflops=1e-12) == costs
+    more_active = StepCosts.from_config(qwen3_moe(num_experts=64, num_experts_per_tok=4), tflops=1e-12)
+    assert more_active.token_seconds - costs.token_seconds == pytest.approx(6 * 2 * 3 * 64 * 32 * 2)
 
 
 def test_rows_packed_best_fit_decreasing():
