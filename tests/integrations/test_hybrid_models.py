@@ -355,3 +355,42 @@ def test_continuing_from_a_cache_a_packed_row_filled_is_refused():
     with pytest.raises(ValueError, match="packed row of several documents"):
         model(input_ids=ids[:, -1:], position_ids=positions[:, -1:] + 1, past_key_values=out.past_key_values,
               use_cache=True)
+
+
+def grouped_bytes_worker(rank, world):
+    """This rank's mixer bytes under the grouped layout (point-to-point routes) and the route's own counts."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from blockdiag_cp import CPConfig
+    from blockdiag_cp.mixers import MixerShape
+    from blockdiag_cp.testing import doc_ids_from_lengths
+    from blockdiag_cp.testing.world_parity import TINY_ROW_COSTS
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"]
+    lengths = (90, 3, 2, 61, 5)
+    batch = {"input_ids": torch.zeros(1, sum(lengths), dtype=torch.long),
+             "_packed_seq_ids": doc_ids_from_lengths(lengths).unsqueeze(0)}
+    config = CPConfig(layout="grouped", step_costs=TINY_ROW_COSTS)
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(mesh, None, batch, config=config)
+    state = ctx.state
+    delta = MixerShape("gated_delta", conv_width=4, conv_channels=2 * 2 * 8 + 4 * 8, heads=4, key_heads=2,
+                       key_dim=8, value_dim=8)
+    got = state.mixer_bytes_per_layer(delta, torch.float32)
+    route = state.conv_plan(4).route
+    return got, route.peers, sum(route.send_splits), sum(route.recv_splits)
+
+
+def test_grouped_mixer_bytes_send_back_what_came_in(rank_pools):
+    """Grouped layout, world 3: conv halos and states go point-to-point; backward returns each received row's
+    gradient to its sender, so a rank sends backward what it received forward (ranks here hand on
+    different numbers of states)."""
+    out = rank_pools(3).run(grouped_bytes_worker)
+    assert all(peers for _, peers, _, _ in out)
+    entry = (2 * 2 * 8 + 4 * 8) * 4
+    for got, _, sent_rows, recv_rows in out:
+        assert (got.halo.sent_fwd, got.halo.recv_fwd) == (sent_rows * entry, recv_rows * entry)
+        for traffic in (got.halo, got.state):
+            assert (traffic.sent_bwd, traffic.recv_bwd) == (traffic.recv_fwd, traffic.sent_fwd)
+    assert any(got.state.sent_fwd != got.state.recv_fwd for got, *_ in out)
+    for part in ("halo", "state"):  # what is sent is received
+        assert sum(getattr(g, part).sent_fwd for g, *_ in out) == sum(getattr(g, part).recv_fwd for g, *_ in out) > 0
