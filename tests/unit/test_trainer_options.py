@@ -83,6 +83,16 @@ def test_unverified_values_are_refused_by_name(name, value):
     assert len(found) == 1 and found[0].startswith(f"{name}="), found
 
 
+@pytest.mark.parametrize("optim", ["lomo", "adalomo", "galore_adamw_layerwise", "apollo_adamw_layerwise"])
+def test_optimizers_that_step_inside_backward_are_refused_when_passed_at_construction(optim):
+    """`TrainingArguments(optim=...)` holds an `OptimizerNames` enum, not the string: its value is what is read."""
+    args = transformers.TrainingArguments(output_dir="/tmp/blockdiag_cp_options", use_cpu=True, optim=optim)
+    found = options.refusals(args, "rows")
+    assert len(found) == 1 and found[0].startswith(f"optim={optim!r}: "), found
+    plain = transformers.TrainingArguments(output_dir="/tmp/blockdiag_cp_options", use_cpu=True, optim="adamw_torch")
+    assert options.refusals(plain, "rows") == []
+
+
 def test_verified_values_pass_and_kinds_matter():
     args = transformers.TrainingArguments(output_dir="/tmp/blockdiag_cp_options", use_cpu=True)
     set_args(args, label_smoothing_factor=0.1, neftune_noise_alpha=5.0, optim="adamw_torch", max_grad_norm=0.5,

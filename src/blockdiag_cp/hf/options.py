@@ -26,6 +26,7 @@ checked.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -272,20 +273,21 @@ def refusals(args: Any, kind: str) -> list[str]:
         if not hasattr(args, name):
             continue
         value, default = getattr(args, name), _default(field)
+        shown = repr(value.value) if isinstance(value, enum.Enum) else repr(value)
         rule = rule_for(args, name)
         is_default = _same(value, default)
         if rule is None:
             if not is_default:
-                out.append(f"{name}={value!r}: blockdiag-cp has not classified this option (new in transformers or "
+                out.append(f"{name}={shown}: blockdiag-cp has not classified this option (new in transformers or "
                            "TRL?), so it cannot say that it is exact under CP: leave it at its default")
         elif kind not in rule.kinds:
             if not is_default:
-                out.append(f"{name}={value!r}: verified for {'/'.join(sorted(rule.kinds))} trainers only, not for "
+                out.append(f"{name}={shown}: verified for {'/'.join(sorted(rule.kinds))} trainers only, not for "
                            f"this one ({rule.why})")
         elif rule.verdict == REFUSED and not (is_default or (rule.ok is not None and rule.ok(value))):
-            out.append(f"{name}={value!r}: {rule.why}")
+            out.append(f"{name}={shown}: {rule.why}")
         elif rule.verdict == VERIFIED and rule.ok is not None and not rule.ok(value):
-            out.append(f"{name}={value!r}: {rule.why}")
+            out.append(f"{name}={shown}: {rule.why}")
     return out
 
 
