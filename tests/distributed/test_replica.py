@@ -98,3 +98,35 @@ def test_one_replicas_gather_reduce_and_last_batch_trim():
     assert torch.equal(view.gather_for_metrics({"v": values})["v"], values[:2])  # the dataset's last 2 samples
     Trimmed.end_of_dataloader = False
     assert torch.equal(view.gather_for_metrics(values), values)
+
+
+@pytest.mark.parametrize("end_of_dataloader", [False, True])
+@pytest.mark.parametrize("remainder", [-1, 0, 1, 3])
+def test_the_kept_replicas_are_those_accelerates_gather_for_metrics_keeps(end_of_dataloader, remainder):
+    """accelerate's own `gather_for_metrics` is the oracle: at the end of the dataloader it trims to a known
+    remainder (> 0) and keeps everything when the remainder is 0 or unknown (-1: a dataset without a length, or
+    `dataloader_drop_last=True`); the replica view and the mixin's metric sums keep the same replicas."""
+    import types
+
+    import accelerate
+
+    from blockdiag_cp.hf.metrics import kept_replicas, kept_totals
+    from blockdiag_cp.hf.replica import ReplicaAccelerator
+
+    dp = 4
+    state = types.SimpleNamespace(end_of_dataloader=end_of_dataloader, remainder=remainder)
+    gathered = torch.arange(float(dp))  # replica d's value is d
+    stand_in = types.SimpleNamespace(gradient_state=state, gather=lambda data: gathered)
+    expected = accelerate.Accelerator.gather_for_metrics(stand_in, torch.zeros(1))
+    kept = kept_replicas(state)
+    assert gathered[: dp if kept is None else kept].tolist() == expected.tolist()
+    # the mixin's per-replica sums (no process group: the sums are this process's), one row per value
+    replica_of_row = torch.tensor([0, 1, -1, 2, 3, 3])
+    rows = torch.tensor([[1.0, 10.0, 1000.0, 100.0, 500.0, 500.0]])
+    assert kept_totals(rows, replica_of_row, dp, state).tolist() == [sum([1.0, 10.0, 100.0, 1000.0][:len(expected)])]
+
+    class Accelerator(FakeAccelerator):
+        gradient_state = state
+
+    view = ReplicaAccelerator(Accelerator(0), None, 1, 0)
+    assert view.gather_for_metrics(torch.arange(float(dp))).tolist() == expected.tolist()  # dp 1: no collective
