@@ -169,6 +169,41 @@ def test_a_step_the_model_never_reached_is_refused_when_it_ends():
         llama()(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
 
 
+def _read_by_sum_per_document(logits, batch):
+    from blockdiag_cp.loss import sum_per_document, token_log_probs
+
+    log_probs, _ = token_log_probs(logits, batch["shift_labels"])
+    return sum_per_document(log_probs).sum()
+
+
+def _read_by_current_step(logits, batch):
+    from blockdiag_cp.step.slot import current_step
+
+    assert current_step() is not None
+    return logits.sum()
+
+
+def _read_by_gather(logits, batch):
+    from blockdiag_cp import gather_sequence
+
+    return gather_sequence(logits).sum()
+
+
+@pytest.mark.parametrize("read", [_read_by_sum_per_document, _read_by_current_step, _read_by_gather])
+def test_the_library_reading_the_step_is_not_the_model_reaching_it(read):
+    """An unprepared model trained with a per-document loss (DPO/GRPO style) reads the step through the library's
+    loss helpers, never through its attention: the step is still refused when it ends."""
+    from blockdiag_cp.loss import add_shift_labels
+
+    model = llama("sdpa")
+    ids, positions = packed()
+    batch = add_shift_labels({"input_ids": ids, "position_ids": positions})
+    ctx, batch = make_cp_blockdiag_batch_and_ctx(None, None, batch)
+    with pytest.raises(ModelRefusal, match="train_ctx\\(\\) ended without the model calling"), ctx():
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        read(logits, batch).backward()
+
+
 class Layer(torch.nn.Module):
     is_causal = True
 
