@@ -244,3 +244,33 @@ def test_a_dp_cp_slice_of_a_larger_mesh_plans_over_its_own_ranks(rank_pools):
     for inner, outer in rank_pools(4).run(sliced_mesh_worker):
         for r in (inner, outer):
             assert r.out_err < TOL and r.grad_err < TOL, r
+
+
+def named_dims_worker(rank, world):
+    """The mesh read by its dimension names: ("cp", "dp") is the same step as ("dp", "cp"); names the step cannot
+    read are refused, naming them (not blamed on the data)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from blockdiag_cp import make_cp_world_batch_and_ctx
+    from blockdiag_cp.testing.world_parity import run_world_case
+    from blockdiag_cp.step.world import WorldView
+
+    case = WorldCase(((5, 9, -2, 13), (3, 3, 3, -1, 8)), 2, kernel="sdpa")
+    transposed = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "dp"))  # ranks 0, 2 are replica 0
+    view = WorldView.of(transposed)
+    result = run_world_case(case, transposed)
+    errors = []
+    for names in (("dp", "tp"), ("data", "context")):
+        try:
+            make_cp_world_batch_and_ctx(init_device_mesh("cpu", (2, 2), mesh_dim_names=names), {})
+        except ValueError as exc:
+            errors.append(str(exc))
+    return (view.replica, view.cp_index), result, errors
+
+
+def test_the_mesh_is_read_by_its_dimension_names(rank_pools):
+    for rank, (place, result, errors) in enumerate(rank_pools(4).run(named_dims_worker)):
+        assert place == (rank % 2, rank // 2)
+        assert result.out_err < TOL and result.grad_err < TOL, result
+        assert len(errors) == 2 and all("reads the mesh's dimensions by name" in e for e in errors), errors
+        assert "('dp', 'tp')" in errors[0] and "('data', 'context')" in errors[1]

@@ -74,10 +74,7 @@ class WorldView:
 
         if not isinstance(mesh, DeviceMesh):
             raise CPTypeError(f"mesh must be the (dp, cp) DeviceMesh, got {type(mesh).__name__}")
-        if mesh.ndim not in (1, 2):
-            raise ValueError(f"mesh must be 1-D (cp) or 2-D (dp, cp), got {mesh.ndim}-D; with tensor parallelism "
-                             "use make_cp_blockdiag_batch_and_ctx")
-        grid = mesh.mesh.reshape(-1, mesh.mesh.shape[-1])  # [dp, cp] global ranks
+        grid = _dp_cp_grid(mesh)  # [dp, cp] global ranks
         ranks = tuple(sorted(grid.flatten().tolist()))
         group = dist.group.WORLD if len(ranks) == dist.get_world_size() else SUBGROUPS.get(ranks, dist.get_backend())
         rank_at = tuple(tuple(dist.get_group_rank(group, g) for g in row) for row in grid.tolist())
@@ -85,6 +82,29 @@ class WorldView:
         replica, cp_index = [(d, c) for d, row in enumerate(grid.tolist()) for c, g in enumerate(row) if g == me][0]
         return WorldView(group, dist.get_group_rank(group, me), len(ranks), grid.shape[0], grid.shape[1], replica,
                          cp_index, rank_at)
+
+
+#: the mesh dimension names the whole-batch step reads (Note [The whole-batch step]); an unnamed mesh is (dp, cp)
+MESH_DIMS = ("dp", "cp")
+
+
+def _dp_cp_grid(mesh) -> torch.Tensor:
+    """``[dp, cp]`` global ranks of `mesh`, its dimensions read by name: ``("dp", "cp")`` in either order, one of
+    them alone (``"cp"``: one replica; ``"dp"``: replicas of one rank), or unnamed ``(cp)`` / ``(dp, cp)``."""
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"mesh must be 1-D (cp) or 2-D (dp, cp), got {mesh.ndim}-D; slice the (dp, cp) dims of a "
+                         "larger mesh (mesh['dp', 'cp']), or with tensor parallelism use make_cp_blockdiag_batch_and_ctx")
+    ranks = mesh.mesh
+    names = mesh.mesh_dim_names
+    if names is None:
+        return ranks.reshape(-1, ranks.shape[-1])
+    if len(set(names)) != len(names) or not set(names) <= set(MESH_DIMS):
+        raise ValueError(f"the whole-batch step reads the mesh's dimensions by name and knows {MESH_DIMS}; this mesh "
+                         f"has {tuple(names)}: name its data-parallel dimension 'dp' and its context-parallel one "
+                         "'cp' (or pass mesh['dp', 'cp'] of a larger mesh)")
+    if names == ("dp",):
+        return ranks.reshape(-1, 1)
+    return ranks.t() if names == ("cp", "dp") else ranks.reshape(-1, ranks.shape[-1])
 
 
 def make_cp_world_batch_and_ctx(
@@ -99,7 +119,8 @@ def make_cp_world_batch_and_ctx(
     """Plan every replica's row over all ranks of `mesh` and return this rank's shard (Note [The whole-batch step]).
 
     Args:
-        mesh: the ``(dp, cp)`` DeviceMesh (a 1-D mesh: one replica).
+        mesh: the ``(dp, cp)`` DeviceMesh, its dimensions read by name (``("cp", "dp")`` works too; a 1-D mesh
+            named ``"cp"`` or unnamed: one replica; a slice ``mesh["dp", "cp"]`` of a larger mesh works too).
         batch: this replica's packed row, as `make_cp_blockdiag_batch_and_ctx` takes it (``input_ids`` or
             ``inputs_embeds``, document ids or flattening metadata, ``shift_labels`` added beforehand);
             the cp ranks of a replica pass the same row. Mutated in place into this rank's shard.
