@@ -54,19 +54,29 @@ def test_seq2seq_trainer_is_refused_and_user_subclasses_are_not(trainer_example,
 def test_grpo_generation_batch_is_sized_per_replica():
     from types import SimpleNamespace
 
-    from blockdiag_cp.trainer import _generation_batch_per_replica, _trainer_kind
+    from blockdiag_cp.hf.trainer_scoring import generation_batch_per_replica
 
     args = SimpleNamespace(world_size=4, per_device_train_batch_size=3, steps_per_generation=2, num_generations=6,
                            generation_batch_size=24)  # TRL's count over all 4 processes
-    _generation_batch_per_replica(args, 2)
+    generation_batch_per_replica(args, 2)
     assert args.generation_batch_size == 12  # 2 replicas x 3 x 2 steps, as without CP
     args.num_generations = 5
     with pytest.raises(ValueError, match="divisible by num_generations=5"):
-        _generation_batch_per_replica(args, 2)
+        generation_batch_per_replica(args, 2)
+
+
+def test_each_trainer_kind_gets_its_strategy():
+    """The one choice of the mixin's strategy (hf/trainer_kinds.py): the most specific transformers / TRL base."""
     trl = pytest.importorskip("trl")
+    from blockdiag_cp.hf.trainer_kinds import strategy_for
+    from blockdiag_cp.hf.trainer_rows import RowsStrategy, SFTRowsStrategy
+    from blockdiag_cp.hf.trainer_scoring import GeneratingStrategy, ScoringStrategy
+
     mine = type("MyGRPO", (BlockDiagCPMixin, trl.GRPOTrainer), {})
-    assert (_trainer_kind(mine), _trainer_kind(type("D", (trl.DPOTrainer,), {})), _trainer_kind(BlockDiagCPTrainer)) == (
-        "generating", "scoring", "rows")
+    chosen = [strategy_for(cls) for cls in (mine, type("D", (trl.DPOTrainer,), {}), BlockDiagCPTrainer,
+                                            type("S", (BlockDiagCPMixin, trl.SFTTrainer), {}), BlockDiagCPMixin)]
+    assert chosen == [GeneratingStrategy, ScoringStrategy, RowsStrategy, SFTRowsStrategy, RowsStrategy]
+    assert [s.kind for s in chosen] == ["generating", "scoring", "rows", "rows", "rows"]  # hf/options.py's kinds
 
 
 def test_uneven_replicas_that_would_hang_are_refused():

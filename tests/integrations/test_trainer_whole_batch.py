@@ -50,20 +50,32 @@ def test_sft_logs_the_metrics_of_ddp_without_cp(whole_batch, rank_pools):
             {"trainer": "sft", "docs": 19, "steps": -1, "accum": 1, "args": EPOCH}, keys=keys, whole_batch=whole_batch)
 
 
-@pytest.mark.parametrize("kind, options, accepts, router, named", [
-    ("rows", {"average_tokens_across_devices": False}, True, False, "average_tokens_across_devices=False"),
-    ("rows", {}, False, False, "accepts_loss_kwargs=False"),
-    ("rows", {}, True, True, "output_router_logits"),
-    ("rows", {"neftune_noise_alpha": 5.0}, True, False, "neftune_noise_alpha"),
-    ("scoring", {}, True, False, "DPO and GRPO"),
+@pytest.mark.parametrize("options, accepts, router, named", [
+    ({"average_tokens_across_devices": False}, True, False, "average_tokens_across_devices=False"),
+    ({}, False, False, "accepts_loss_kwargs=False"),
+    ({}, True, True, "output_router_logits"),
+    ({"neftune_noise_alpha": 5.0}, True, False, "neftune_noise_alpha"),
 ])
-def test_per_replica_losses_are_refused_by_name(kind, options, accepts, router, named):
+def test_per_replica_losses_are_refused_by_name(options, accepts, router, named):
     from types import SimpleNamespace
 
     args = SimpleNamespace(**{"average_tokens_across_devices": True, "neftune_noise_alpha": None, **options})
     with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(")", r"\)")):
-        refuse_per_replica_losses(kind, args, None, accepts, router)
+        refuse_per_replica_losses(args, None, accepts, router)
     with pytest.raises(ValueError, match="compute_loss_func"):
-        refuse_per_replica_losses("rows", SimpleNamespace(average_tokens_across_devices=True), lambda *a: 0, True, False)
-    refuse_per_replica_losses("rows", SimpleNamespace(average_tokens_across_devices=True, label_smoothing_factor=0.1),
+        refuse_per_replica_losses(SimpleNamespace(average_tokens_across_devices=True), lambda *a: 0, True, False)
+    refuse_per_replica_losses(SimpleNamespace(average_tokens_across_devices=True, label_smoothing_factor=0.1),
                               None, True, False)  # label smoothing: a sum over tokens, kept
+
+
+def test_scoring_trainers_are_refused_in_the_whole_batch_mode():
+    """DPO and GRPO score their rows per replica: their strategy refuses whole_batch=True when it is adopted."""
+    from types import SimpleNamespace
+
+    from blockdiag_cp import CPConfig
+    from blockdiag_cp.hf.trainer_scoring import GeneratingStrategy, ScoringStrategy
+
+    for strategy in (ScoringStrategy, GeneratingStrategy):
+        trainer = SimpleNamespace(cp_mesh=None, cp_config=CPConfig(), cp_size=1, whole_batch=True, dp_rank=0)
+        with pytest.raises(ValueError, match="DPO and GRPO"):
+            strategy(trainer).adopt([], "in a test")

@@ -67,3 +67,18 @@ def test_dpo_and_grpo_at_dp2_cp2_equal_the_runs_without_cp(tmp_path):
     ddp_steps, ddp_params = cp_run(tmp_path, 2, "train_grpo.py", "--cp", "0", *grpo_args)
     assert_same_steps(steps, ddp_steps, GRPO_KEYS)
     assert_same_params(params, ddp_params)
+
+
+def test_the_scoring_forwards_of_dpo_run_as_packed_rows(tmp_path):
+    """The mixin's DPO strategy hooks the policy and the reference model (Note [Scoring forwards under CP] in
+    hf/scoring.py): at cp 1 each scoring forward already runs as one packed row ``[1, B * T]``. Without the hooks
+    the rows stay ``[B, T]`` and the logged values still equal the run without CP, so the runs above cannot tell."""
+    dpo = example("train_dpo")
+    trainer = dpo.build_trainer(dpo.parse_args(["--cp", "1", "--steps", "1", "--float64"]), str(tmp_path))
+    seen = {"policy": [], "reference": []}
+    for name, model in (("policy", trainer.model), ("reference", trainer.ref_model)):
+        model.get_input_embeddings().register_forward_hook(
+            lambda module, args, output, name=name: seen[name].append(tuple(args[0].shape)))
+    trainer.train()
+    assert seen["policy"] and seen["reference"], seen
+    assert all(shape[0] == 1 for shapes in seen.values() for shape in shapes), seen

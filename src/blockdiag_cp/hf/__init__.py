@@ -11,6 +11,9 @@
     neftune.py    NEFTune's noise as the run without CP draws it
     options.py    every TrainingArguments / TRL config option: inert, verified, or refused when set
     model_checks.py  refusals of models the mixin cannot train exactly (PEFT virtual tokens, loss inputs)
+    trainer_kinds.py    the mixin's strategy interface, and the one choice of a strategy per trainer kind
+    trainer_rows.py     the strategy of trainers of rows (the Trainer, TRL's SFTTrainer)
+    trainer_scoring.py  the strategies of scoring trainers (TRL's DPOTrainer, GRPOTrainer)
 
 `prepare_model(model)` (from `blockdiag_cp.mixers`) routes a hybrid model's supported token
 mixers per document, on packed rows and inside CP steps, gives Llama 4's temperature-tuned

@@ -13,7 +13,8 @@ them. `ReplicaAccelerator` is accelerate's ``Accelerator`` with ``num_processes 
 ``process_index = dp rank`` and ``gather`` / ``reduce`` over the ranks that share this
 rank's CP index (one per replica: the ``dp`` dimension of the ``(dp, cp)`` mesh);
 everything else is the accelerator itself. `first_cp_rank_rows` turns a world-wide
-gather made elsewhere into the replicas' gather.
+gather made elsewhere into the replicas' gather (`gather_over_replicas`: the mixin's
+evaluation gather, for every trainer kind).
 
 Sampling: each CP rank of a replica generates, seeded as that replica is without CP
 (``seed + dp rank``), and the completions and RNG state of CP rank 0 are then broadcast
@@ -23,6 +24,7 @@ generation kernels are not deterministic.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -97,6 +99,31 @@ def first_cp_rank_rows(gathered: torch.Tensor, dp: int, cp: int) -> torch.Tensor
     """``[world * n, ...]`` gathered over the world in rank order -> ``[dp * n, ...]``: CP rank 0 of each replica."""
     by_rank = gathered.reshape(dp, cp, -1, *gathered.shape[1:])
     return by_rank[:, 0].reshape(-1, *gathered.shape[1:])
+
+
+def gather_over_replicas(data: Any, accelerator: Any, dp: int, cp: int, use_gather_object: bool = False) -> Any:
+    """accelerate's ``gather_for_metrics`` over the dp replicas of a world of ``dp x cp`` ranks: the world's
+    gather, one CP rank per replica, then the last batch trimmed to the dataset's remainder."""
+    from accelerate.utils import recursively_apply
+
+    if use_gather_object:
+        data = _gather_objects_over_replicas(data, dp * cp, cp)
+    else:
+        keep = functools.partial(first_cp_rank_rows, dp=dp, cp=cp)
+        data = recursively_apply(keep, accelerator.gather(data))
+    kept = kept_replicas(accelerator.gradient_state)
+    if kept is None:
+        return data
+    return data[:kept] if use_gather_object else recursively_apply(lambda t: t[:kept], data)
+
+
+def _gather_objects_over_replicas(data: Any, world: int, cp: int) -> Any:
+    """accelerate's ``gather_object`` as the dp replicas' processes run it without CP: one replica (one
+    process, nothing distributed) gets its object back; several get every replica's items, flattened."""
+    objects: list[Any] = [None] * world
+    dist.all_gather_object(objects, data)
+    replicas = objects[::cp]
+    return replicas[0] if len(replicas) == 1 else [item for obj in replicas for item in obj]
 
 
 def share_from_cp_rank0(value: Any, cp_group: Any) -> Any:

@@ -37,12 +37,14 @@ _PER_REPLICA = (
 )
 
 
-def refuse_per_replica_losses(kind: str, args: Any, compute_loss_func: Any, accepts_loss_kwargs: bool,
-                              router_loss: bool) -> None:
+def refuse_scoring_trainers() -> None:
+    """`ValueError`: the mode plans trainers of rows only (Note [The whole-batch mode of the mixin])."""
+    raise ValueError("whole_batch=True plans trainers of rows (transformers' Trainer, TRL's SFTTrainer); DPO and "
+                     "GRPO score their rows per replica: train them with whole_batch=False")
+
+
+def refuse_per_replica_losses(args: Any, compute_loss_func: Any, accepts_loss_kwargs: bool, router_loss: bool) -> None:
     """`ValueError` naming each option whose loss is per replica (Note [The whole-batch mode of the mixin])."""
-    if kind != "rows":
-        raise ValueError("whole_batch=True plans trainers of rows (transformers' Trainer, TRL's SFTTrainer); DPO and "
-                         "GRPO score their rows per replica: train them with whole_batch=False")
     set_ = (not getattr(args, "average_tokens_across_devices", True), compute_loss_func is not None,
             not accepts_loss_kwargs, router_loss, bool(getattr(args, "neftune_noise_alpha", None)))
     found = [f"{name} ({why})" for (name, why), on in zip(_PER_REPLICA, set_) if on]
