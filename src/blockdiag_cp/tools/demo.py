@@ -322,8 +322,10 @@ def _plot(path: str, cp: dict[str, list[float]], reference: list[float], logs, l
     time_ax.set(title="measured step time (slowest rank)", xlabel="step", ylabel="ms")
     for ax in (work_ax, sent_ax):
         ax.set_xticks(range(world))
-    for ax in (work_ax, sent_ax, time_ax):
-        ax.legend()
+    for ax in (work_ax, sent_ax):
+        ax.set_ylim(top=1.25 * ax.get_ylim()[1])  # room for the legend above the bars
+        ax.legend(loc="upper center", ncol=3)
+    time_ax.legend()
     for ax in (loss_ax, time_ax):
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     fig.tight_layout()
