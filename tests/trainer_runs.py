@@ -22,9 +22,10 @@ BASE = dict(steps=2, batch=3, accum=2, docs=24, eval_docs=6, lr=1e-2, prompt=0.5
 
 
 def spec(**changes) -> dict:
-    """A run: `BASE` with `changes` (``trainer``: "trainer" or "sft"; ``cp``; ``model``; ``args``: option overrides)."""
+    """A run: `BASE` with `changes` (``trainer``: "trainer" or "sft"; ``cp``; ``model``; ``args``: option overrides;
+    ``layout``: the mixin's ``cp_config=CPConfig(layout=...)``, None: no cp_config)."""
     out = {**BASE, "trainer": "trainer", "cp": 0, "model": "llama", "args": {}, "loss_func": None,
-           "accepts_loss_kwargs": True, "sft": {}, "whole_batch": False}
+           "accepts_loss_kwargs": True, "sft": {}, "whole_batch": False, "layout": None}
     out.update(changes)
     return out
 
@@ -161,10 +162,12 @@ def build(s: dict, output_dir: str):
     if s["cp"] == 0:
         m.set_attn_implementation("sdpa")
         return base(**kw)
+    from blockdiag_cp import CPConfig
     from blockdiag_cp.trainer import BlockDiagCPMixin
 
+    config = None if s["layout"] is None else CPConfig(layout=s["layout"])
     return type(f"CP{base.__name__}", (BlockDiagCPMixin, base), {})(cp_size=s["cp"], whole_batch=s["whole_batch"],
-                                                                   **kw)
+                                                                   cp_config=config, **kw)
 
 
 def run(s: dict) -> dict:
@@ -182,9 +185,14 @@ def run(s: dict) -> dict:
 
 def pool_run(rank: int, world: int, s: dict) -> dict:
     """`run` on a rank of the pool: accelerate reads the launch from the environment (torchrun's variables)."""
+    launched_as(rank, world)
+    return run(s)
+
+
+def launched_as(rank: int, world: int) -> None:
+    """This pool rank as torchrun launches rank `rank` of `world` (the environment accelerate reads)."""
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    return run(s)
 
 
 def assert_same(got: dict, want: dict, keys=("loss", "grad_norm"), tol: float = 1e-6, param_tol: float = 1e-6,

@@ -11,6 +11,10 @@ from .plan.step_costs import StepCosts
 from .registry import EXCHANGES, KERNELS, LAYOUTS
 
 
+#: the layout of the library's own entries when they are given no config (the rule: `CPConfig.layout`)
+ENTRY_LAYOUT = "balanced"
+
+
 @dataclass(frozen=True, kw_only=True)
 class CPConfig:
     """How a block-diagonal CP step exchanges K/V, computes attention and lays out tokens.
@@ -29,7 +33,14 @@ class CPConfig:
             contiguous chunks), ``"balanced"`` (equal attention work per rank) or
             ``"grouped"`` (each document on the fewest nearby ranks its work needs, modeled
             time balanced; ranks may hold different numbers of tokens: the layout of
-            `make_cp_world_batch_and_ctx`, Note [Grouped planner]).
+            `make_cp_world_batch_and_ctx`, Note [Grouped planner]). The defaults, in one
+            place: ``CPConfig()`` and the seed's entry `make_cp_blockdiag_batch_and_ctx`
+            (and `make_cp_batch_and_ctx`) with ``config=None`` keep the seed's
+            ``"contiguous"`` (its callers may shard their own tensors the same way); the
+            library's own entries given no config use `ENTRY_LAYOUT` (``"balanced"``: the
+            Trainer mixin and its DPO/GRPO scoring forwards, `make_cp_vlm_batch_and_ctx`,
+            ``blockdiag-cp demo``, the examples), except the whole-batch step
+            (`make_cp_world_batch_and_ctx`, the mixin's ``whole_batch=True``): ``"grouped"``.
         check_ranks_agree: at step start, verify with one small collective that
             every rank of the CP group holds the same document ids (a mismatch
             raises the same error everywhere instead of hanging). Turn off for speed.

@@ -69,7 +69,7 @@ import torch.distributed as dist
 import transformers
 
 from . import hf  # noqa: F401  (registers attn_implementation="blockdiag_cp")
-from .config import CPConfig
+from .config import ENTRY_LAYOUT, CPConfig
 from .errors import CPTypeError
 from .hf.model_checks import refuse_virtual_tokens
 from .hf.options import refuse_unverified_options
@@ -93,7 +93,9 @@ class BlockDiagCPMixin:
     Args:
         cp_size: ranks per CP group (must divide the world size); 1 = data parallel
             only, still with per-document attention on packed rows.
-        cp_config: `CPConfig` for every step (exchange, kernel, layout).
+        cp_config: `CPConfig` for every step (exchange, kernel, layout); None (default):
+            ``CPConfig(layout="balanced")``, equal attention work per rank (the rule:
+            `CPConfig.layout`), for the rows of a step and every DPO / GRPO scoring forward.
         seq_dims: extra sequence-aligned batch keys and their sequence dimension,
             passed to `make_cp_blockdiag_batch_and_ctx` (e.g. ``{"per_layer_inputs": 1}``).
         whole_batch: train each global micro-batch on all dp x cp ranks: every replica's
@@ -149,7 +151,7 @@ class BlockDiagCPMixin:
         world = self.args.world_size
         if world % cp_size:
             raise ValueError(f"cp_size={cp_size} must divide the world size {world} (world = dp x cp)")
-        default = _whole_batch_config(self.model) if whole_batch else CPConfig()
+        default = _whole_batch_config(self.model) if whole_batch else CPConfig(layout=ENTRY_LAYOUT)
         self.cp_size, self.cp_config = cp_size, default if cp_config is None else cp_config
         self.dp_size = world // cp_size
         _refuse_uneven_replicas(self.accelerator.even_batches, self.args.dataloader_drop_last, self.dp_size)

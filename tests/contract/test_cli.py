@@ -74,18 +74,94 @@ def test_python_dash_m_runs_the_same_command_line(capsys, monkeypatch):
     assert stopped.value.code in (0, None) and capsys.readouterr().out.startswith("blockdiag-cp ")
 
 
+#: the demo's line for each rank of the verdict's layout: its attention work over the mean
+RANK_WORK_RE = re.compile(r"^  rank (\d+): attention work \d+ \(([\d.]+)x mean\)", flags=re.M)
+#: the demo's line for the layout it compares with, on the same rows
+COMPARED_RE = re.compile(r"^the same rows, layout=(\w+) .*: attention work per rank ([\d. /]+) of the mean", flags=re.M)
+#: the demo's measured step time of each layout
+STEP_TIME_RE = re.compile(r"^measured step time .*: balanced ([\d.]+) ms, contiguous ([\d.]+) ms", flags=re.M)
+
+
+def run_demo_command(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "blockdiag_cp", "demo", *argv], capture_output=True, text=True,
+                          timeout=hang_timeout(600), check=False)
+
+
 @pytest.mark.slow
 def test_demo_short_run_matches_reference_and_writes_into_out(tmp_path):
     out = tmp_path / "new" / "folder"  # created by the CLI
-    result = subprocess.run(
-        [sys.executable, "-m", "blockdiag_cp", "demo", "--steps", "3", "--seq-len", "256", "--out", str(out)],
-        capture_output=True, text=True, timeout=hang_timeout(600), check=False,
-    )
+    result = run_demo_command("--steps", "3", "--seq-len", "256", "--out", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "verdict: MATCH" in result.stdout and result.stdout.count(" match") == 3
+    assert "layout=balanced" in result.stdout and COMPARED_RE.search(result.stdout).group(1) == "contiguous"
     png = out / "demo.png"
     assert png.stat().st_size > 10_000 and f"wrote {png}" in result.stdout
     assert sorted(p.name for p in out.iterdir()) == ["demo.png"]
+
+
+@pytest.mark.slow
+def test_demo_at_world_4_balances_every_rank_and_shows_what_contiguous_would_do(tmp_path):
+    """The defaults at --world 4 (fewer, shorter steps): every rank's attention work within 5% of the mean,
+    both layouts match the reference, and the seed's contiguous shards of the same rows are out of balance."""
+    result = run_demo_command("--world", "4", "--steps", "2", "--seq-len", "512", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.rstrip().splitlines()[-1].startswith("verdict: MATCH (balanced and contiguous;")
+    ratios = {int(rank): float(ratio) for rank, ratio in RANK_WORK_RE.findall(result.stdout)}
+    assert sorted(ratios) == [0, 1, 2, 3] and all(abs(r - 1) <= 0.05 for r in ratios.values()), ratios
+    compared = COMPARED_RE.search(result.stdout)
+    assert compared.group(1) == "contiguous" and max(map(float, compared.group(2).split(" / "))) > 1.2
+    assert STEP_TIME_RE.search(result.stdout), result.stdout  # measured, both; no absolute time asserted
+
+
+def test_the_demo_defaults_to_balanced_beside_contiguous(tmp_path, monkeypatch, capsys):
+    """The demo's default run, its ranks' logs made from the real plans of its rows (no model trained, no
+    ranks spawned): the layouts it trains, the report of both (work, bytes, step times, the plot), and a
+    verdict that needs both to match. verify and bench keep CPConfig()'s layout."""
+    from blockdiag_cp import CPConfig
+    from blockdiag_cp.tools import demo
+
+    parser = build_parser()
+    assert parser.parse_args(["demo"]).layout == "balanced"
+    assert parser.parse_args(["verify"]).layout == parser.parse_args(["bench"]).layout == CPConfig().layout
+    assert demo.compared_layouts("contiguous") == ("contiguous", "balanced")
+    spawned, off = {}, {}
+
+    def spawn(fn, world, rows, dtype_name, layouts, exchange, kernel, reference, timeout):
+        spawned.update(fn=fn, world=world, layouts=layouts)
+        return [{layout: [planned_step(row, world, layout, loss + off.get(layout, 0.0))
+                          for row, loss in zip(rows, reference)] for layout in layouts} for _ in range(world)]
+
+    monkeypatch.setattr("blockdiag_cp.testing.spawn", spawn)
+    monkeypatch.setattr(demo, "reference_losses", lambda rows, dtype: [3.0 - 0.5 * i for i in range(len(rows))])
+    argv = ["demo", "--world", "4", "--steps", "2", "--seq-len", "256", "--out", str(tmp_path)]
+    off["contiguous"] = 0.1  # the compared run off the reference: the verdict says so
+    assert main(argv) == 1 and capsys.readouterr().out.rstrip().splitlines()[-1].startswith("verdict: MISMATCH")
+    off.clear()
+    assert main(argv) == 0
+    assert spawned == {"fn": demo.cp_worker, "world": 4, "layouts": ("balanced", "contiguous")}
+    out = capsys.readouterr().out
+    assert "layout=balanced" in out and out.rstrip().splitlines()[-1].startswith("verdict: MATCH")
+    ratios = [float(ratio) for _, ratio in RANK_WORK_RE.findall(out)]
+    assert len(ratios) == 4 and all(abs(r - 1) <= 0.05 for r in ratios), out
+    compared = COMPARED_RE.search(out)
+    assert compared.group(1) == "contiguous" and max(map(float, compared.group(2).split(" / "))) > 1.2, out
+    assert STEP_TIME_RE.search(out).groups() == ("20.0", "30.0"), out
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "demo.png").stat().st_size > 10_000
+
+
+def planned_step(row, world: int, layout: str, loss: float) -> dict:
+    """A rank's log of one demo step: the real plan's work per rank, the reference's loss, made-up bytes and times."""
+    import torch
+
+    from blockdiag_cp import plan_shards
+    from blockdiag_cp.plan.shard_plan import attention_work
+
+    doc_ids = torch.repeat_interleave(torch.arange(1, len(row.lengths) + 1), torch.tensor(row.lengths))
+    work = attention_work(plan_shards(doc_ids, world, layout), doc_ids).tolist()
+    seconds = 0.02 if layout == "balanced" else 0.03
+    return {"loss": loss, "sent_bytes": 1000, "work": work, "kv_bytes_planned": 900, "seconds": seconds,
+            "exchange": "a2a", "kernel": "sdpa"}
 
 
 @pytest.mark.parametrize("argv, message", [

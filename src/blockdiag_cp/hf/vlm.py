@@ -39,7 +39,7 @@ from typing import Any, Optional
 import torch
 
 from ..step.batch import TrainCtx, make_cp_blockdiag_batch_and_ctx
-from ..config import CPConfig
+from ..config import ENTRY_LAYOUT, CPConfig
 from ..step.doc_ids import resolve_doc_ids
 from ..parallel.collectives import AllGatherRows
 from ..mixers import refuse_unrouted_mixers
@@ -168,7 +168,8 @@ def make_cp_vlm_batch_and_ctx(
             ``position_ids``, ``labels``, and per modality ``pixel_values`` /
             ``image_grid_thw`` (``pixel_values_videos`` / ``video_grid_thw``);
             ``mm_token_type_ids`` is derived from the placeholders when absent.
-        config, loss_mask, padding_token_id: as for `make_cp_blockdiag_batch_and_ctx`.
+        config: `CPConfig`; None (default): ``CPConfig(layout="balanced")`` (the rule: `CPConfig.layout`).
+        loss_mask, padding_token_id: as for `make_cp_blockdiag_batch_and_ctx`.
 
     Returns:
         ``(train_ctx, batch)``: ``batch`` holds this rank's mRoPE ``position_ids [3, 1, L]``,
@@ -178,6 +179,7 @@ def make_cp_vlm_batch_and_ctx(
         vision patches and estimated FLOPs per rank.
     """
     refuse_unrouted_mixers(model, "in make_cp_vlm_batch_and_ctx")
+    config = CPConfig(layout=ENTRY_LAYOUT) if config is None else config
     core = vlm_core(model)
     input_ids = batch.get("input_ids")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:

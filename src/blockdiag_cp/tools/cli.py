@@ -16,7 +16,7 @@ from types import MappingProxyType
 
 import blockdiag_cp  # the package root is lazy: this imports no torch
 
-from ..config import CPConfig
+from ..config import ENTRY_LAYOUT, CPConfig
 from ..registry import EXCHANGES, KERNELS, LAYOUTS
 
 #: the folder demo and bench write their files into, unless --out names another
@@ -27,7 +27,8 @@ DESCRIPTION = ("Block-diagonal (per-document) context parallelism for packed seq
 
 #: each subcommand's one-line description (its --help and the list in blockdiag-cp --help)
 COMMANDS = MappingProxyType({
-    "demo": "Train a tiny Llama under CP beside transformers alone in one process; compare the per-step losses.",
+    "demo": ("Train a tiny Llama under CP beside transformers alone in one process; compare the per-step losses, "
+             "and the balanced layout's rank work and step time with the contiguous one's."),
     "verify": "Compare CP attention (output and gradients) with a float64 oracle for your settings.",
     "bench": "Time, peak memory, bytes sent and balance of one configuration.",
     "plan": "Size a run too big for this machine: bytes, work and predicted time per scheme.",
@@ -55,15 +56,17 @@ def _positive(text: str) -> int:
     return value
 
 
-def _add_attention_args(p: argparse.ArgumentParser, world_help: str) -> None:
-    """--world, --exchange, --layout, --kernel: shared by demo, verify and bench (defaults as CPConfig())."""
+def _add_attention_args(p: argparse.ArgumentParser, world_help: str, layout_help: str = "",
+                        layout: str | None = None) -> None:
+    """--world, --exchange, --layout, --kernel: shared by demo, verify and bench (defaults as CPConfig(),
+    the layout `layout` where given)."""
     defaults = CPConfig()
     gpu_only = " and ".join(KERNELS.gpu_only)
     p.add_argument("--world", type=_positive, default=2, help=world_help)
     p.add_argument("--exchange", choices=EXCHANGES.choices, default=defaults.kv_exchange,
                    help="how each rank gets the K/V rows its queries need. " + EXCHANGES.help())
-    p.add_argument("--layout", choices=LAYOUTS.choices, default=defaults.layout,
-                   help="which positions each rank owns. " + LAYOUTS.help())
+    p.add_argument("--layout", choices=LAYOUTS.choices, default=defaults.layout if layout is None else layout,
+                   help="which positions each rank owns" + layout_help + ". " + LAYOUTS.help())
     p.add_argument("--kernel", choices=KERNELS.choices, default=defaults.kernel,
                    help=f"the local attention kernel ({gpu_only}: only verify under torchrun on CUDA GPUs). "
                         + KERNELS.help())
@@ -85,11 +88,14 @@ def _parsers() -> tuple[argparse.ArgumentParser, Mapping[str, argparse.ArgumentP
                 for name, line in COMMANDS.items()}
 
     demo = commands["demo"]
-    _add_attention_args(demo, "CP ranks, spawned as gloo processes on CPU")
+    _add_attention_args(demo, "CP ranks, spawned as gloo processes on CPU",
+                        " (the verdict's run; the same rows are also trained under contiguous, the seed's layout, "
+                        "or under balanced when it is contiguous, and both are shown)", layout=ENTRY_LAYOUT)
     demo.add_argument("--steps", type=_positive, default=20, help="training steps, one packed row each")
     demo.add_argument("--seq-len", type=_positive, default=1024, help="tokens of each packed row")
     demo.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="model and attention dtype")
-    _add_out_arg(demo, "demo.png (loss curves, per-rank attention work and bytes sent)")
+    _add_out_arg(demo, "demo.png (loss curves; per-rank attention work and bytes sent, and step times, of both "
+                       "layouts)")
 
     verify = commands["verify"]
     _add_attention_args(verify, "CP ranks, spawned as gloo processes on CPU; under torchrun the launched ranks")
