@@ -299,6 +299,13 @@ def test_auto_degree_picks_the_cheapest_scheme_in_bytes():
     for choice in (one_doc, short):
         best = min(c.max_sent for c in choice.costs)
         assert next(c for c in choice.costs if c.degree == choice.degree).max_sent <= 1.05 * best
+    from blockdiag_cp.plan import make_plan
+    from blockdiag_cp.plan.cost import scheme_cost
+
+    ring = choose_ulysses_degree(ids, 8, (32, 8), layout="contiguous", exchange="ring")  # the exchange is costed
+    plan = make_plan(ids, 8, "contiguous")
+    for c in ring.costs:
+        assert c.exchange == "ring" and torch.equal(c.sent, scheme_cost(plan, ids, c.degree, (32, 8), exchange="ring").sent)
     assert one_doc.degree > 1  # one long document: head parallelism moves less
     assert short.degree == 1  # documents inside ranks: nothing crosses, Ulysses would move q, k, v, o
     assert "u=1" in short.reason
