@@ -9,7 +9,7 @@ import torch
 from blockdiag_cp.plan import PlanOptions, StepCosts
 from blockdiag_cp.plan.geometry import StepGeometry
 from blockdiag_cp.plan.grouped import place_runs, row_runs
-from blockdiag_cp.plan.groups import GroupCutter, water_level
+from blockdiag_cp.plan.groups import GroupCutter, union_per_member, water_level
 from blockdiag_cp.plan.loads import Loads
 from blockdiag_cp.plan.step_costs import pairs_before
 from blockdiag_cp.testing import doc_ids_from_lengths
@@ -46,6 +46,13 @@ def test_equal_work_cuts_give_contiguous_chunks_of_equal_work(g):
     assert cuts[0] == 0 and cuts[-1] == 6000 and bool((np.diff(cuts) > 0).all())
     work = 16.0 * np.diff(cuts) + np.diff(pairs_before(cuts, 256))
     assert work.max() / work.min() < 1.001
+
+
+def test_union_per_member_merges_ranges_that_overlap_or_touch():
+    """(Under a window the planner gives each member one piece; a member of several pieces needs their ranges'
+    union.)"""
+    lo, hi, member = union_per_member(np.array([20, 4, 3, 0, 2]), np.array([25, 9, 6, 4, 8]), np.array([0, 0, 1, 0, 1]))
+    assert (lo.tolist(), hi.tolist(), member.tolist()) == ([0, 20, 2], [9, 25, 8], [0, 0, 1])
 
 
 def test_water_level_fills_the_lowest_first():
