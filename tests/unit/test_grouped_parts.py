@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from blockdiag_cp.plan import PlanOptions, StepCosts
+from blockdiag_cp.plan import PlanOptions, StepCosts, plan_shards
 from blockdiag_cp.plan.geometry import StepGeometry
 from blockdiag_cp.plan.grouped import place_runs, row_runs
 from blockdiag_cp.plan.groups import GroupCutter, union_per_member, water_level
-from blockdiag_cp.plan.loads import Loads
+from blockdiag_cp.plan.loads import Loads, water_fill
 from blockdiag_cp.plan.step_costs import pairs_before
 from blockdiag_cp.testing import doc_ids_from_lengths
 
@@ -145,3 +145,16 @@ def test_each_ranks_modeled_bytes_under_a_window_are_what_it_needs():
     for rank in range(5):
         sent = float(rows[:, rank].sum() + rows[rank, :].sum())
         assert placement.intra_bytes[rank] + placement.inter_bytes[rank] == pytest.approx(10.0 * sent), rank
+
+
+def test_padding_fills_where_the_levels_dwarf_a_token():
+    """Pairs cost everything, a token 1e-12 of a pair: in token units the ranks' levels are ~1e19, where one token
+    does not show, and the water level jumped a rank's whole room (the planner raised IndexError). The excess goes
+    back from the highest rank: the lowest ranks fill to their room, the next takes what is left."""
+    level = np.array([9.25e18, 9.55e18, 7.78e18, 8.04e18, 2.92e18])
+    assert water_fill(level, np.array([14, 0, 13, 2, 3]), 19).tolist() == [1, 0, 13, 2, 3]
+    lengths = (99, 5334, 4236, 698, 239, 1743, 3980, 400, 77, 3473, 52, 20, 247, -9, 81, 174, 405, -10, 1012, 1129)
+    ids = doc_ids_from_lengths(lengths)
+    plan = plan_shards(ids, 5, "grouped", ranks_per_node=2, token_cap=1.0,
+                       costs=StepCosts(token_seconds=1e-12, pair_seconds=1.0))
+    assert torch.equal(plan.positions.sort().values, torch.arange(plan.padded_len))

@@ -241,5 +241,11 @@ def water_fill(level: np.ndarray, room: np.ndarray, total: int) -> np.ndarray:
         if amounts[r] < room[r]:
             amounts[r] += 1
             short -= 1
+    for r in order[::-1]:  # levels so large that a token does not show (a share jumps whole): the excess back,
+        if short >= 0:  # from the highest ranks down
+            break
+        back = min(-short, int(amounts[r]))
+        amounts[r] -= back
+        short += back
     return amounts
 
