@@ -14,9 +14,11 @@ check is itself collective: each rank contributes ``[problem?, fingerprint...]``
 - if no rank has a problem but the fingerprints differ, every rank raises with the
   table of fingerprints.
 
-`gather_fingerprints` is the all-gather and the first two; `agree_across_ranks` adds the third.
-The whole-batch step (world.py) compares its own way: the config on every rank, the row
-within each replica. It runs once per step for the batch, and once per step for each distinct attention
+`gather_fingerprints` is the all-gather and the first two rules; `agree_across_ranks` adds
+the third. The whole-batch step (world.py) compares in its own way: the config on every
+rank, the row within each replica.
+
+It runs once per step for the batch, and once per step for each distinct attention
 call signature (the first layer, and the first layer of any other shape), never per
 layer. ``CPConfig(check_ranks_agree=False)`` turns both off.
 """
