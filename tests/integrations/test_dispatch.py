@@ -52,6 +52,36 @@ def test_only_a_compiled_call_is_the_op_and_it_equals_the_eager_call():
         assert (got - want).abs().max() < 1e-12
 
 
+def test_outside_a_step_the_drop_in_is_stock_sdpa_with_its_mask_eager_and_compiled():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    (q, k, v), _ = inputs()
+    mask = torch.randn(20, 20, dtype=torch.float64)  # an additive float mask
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+
+    def fn(q, k, v):
+        return cp_blockdiag_sdpa(q, k, v, attn_mask=mask, scale=0.3)
+
+    for run in (fn, torch.compile(fn, backend=BACKEND, fullgraph=True)):
+        assert (run(q, k, v) - want).abs().max() < 1e-12
+
+
+def test_a_compiled_call_under_autocast_casts_like_the_eager_call():
+    """RoPE under autocast leaves q/k in float32 with v in bfloat16: compiled, the op's inputs are cast first
+    (its fake output takes the queries' dtype), so the output is bfloat16 and equals the eager call's."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    (q, k, v), train_ctx = inputs()
+    q, k, v = q.detach().float(), k.detach().float(), v.detach().bfloat16()
+    compiled = torch.compile(lambda q, k, v: cp_blockdiag_sdpa(q, k, v), backend=BACKEND, fullgraph=True)
+    with train_ctx(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = cp_blockdiag_sdpa(q, k, v), compiled(q, k, v)
+    assert want.dtype == got.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+
+
 def test_a_compiled_drop_in_recomputed_after_its_step_is_refused():
     """A compiled `cp_blockdiag_sdpa` under non-reentrant checkpointing, backward after ``train_ctx()`` exited:
     the recompute raises, whether the checkpoint is around the compiled function (retraced outside the step:
@@ -93,6 +123,37 @@ def test_layer_features_outside_a_step_are_refused(compiled):
             run = torch.compile(fn, backend=BACKEND) if compiled else fn
             with pytest.raises(ValueError, match="work inside a block-diagonal CP step"):
                 run(q, k, v)
+
+
+def test_transformers_row_call_is_the_op_only_when_compiled():
+    """transformers' attention function outside a step: a packed row (its documents from ``position_ids``) is the
+    op once compiled, never eagerly, with the eager call's result; several rows are transformers' own SDPA,
+    compiled without a break (its late-recompute check reads the slot only eagerly)."""
+    pytest.importorskip("transformers")
+    import torch._dynamo
+
+    import blockdiag_cp.hf  # noqa: F401  (registers "blockdiag_cp")
+    from blockdiag_cp.hf import blockdiag_cp_attention
+
+    torch._dynamo.reset()
+    layer = torch.nn.Module()
+    layer.is_causal = True
+    (q, k, v), _ = inputs()
+    positions = torch.cat([torch.arange(12), torch.arange(8)]).unsqueeze(0)
+
+    def row(q, k, v):
+        return blockdiag_cp_attention(layer, q, k, v, None, position_ids=positions)[0]
+
+    compiled = torch.compile(row, backend=BACKEND, fullgraph=True)
+    want, eager_ops = op_calls(lambda: row(q, k, v))
+    got, ops = op_calls(lambda: compiled(q, k, v))
+    assert (eager_ops, ops) == (0, 1) and (got - want).abs().max() < 1e-12
+    first = torch.nn.functional.scaled_dot_product_attention(q[:, :, :12], k[:, :, :12], v[:, :, :12], is_causal=True)
+    assert (want[:, :12].transpose(1, 2) - first).abs().max() < 1e-12  # the first document alone
+    rows = [torch.cat([t, t]) for t in (q, k, v)]
+    batch = torch.compile(lambda q, k, v: blockdiag_cp_attention(layer, q, k, v, None)[0], backend=BACKEND,
+                          fullgraph=True)
+    assert (batch(*rows) - blockdiag_cp_attention(layer, *rows, None)[0]).abs().max() < 1e-12
 
 
 def test_a_compiled_packed_row_of_a_model_with_unrouted_mixers_is_refused():
