@@ -142,18 +142,46 @@ def test_transformers_row_call_is_the_op_only_when_compiled():
     positions = torch.cat([torch.arange(12), torch.arange(8)]).unsqueeze(0)
 
     def row(q, k, v):
-        return blockdiag_cp_attention(layer, q, k, v, None, position_ids=positions)[0]
+        return blockdiag_cp_attention(layer, q, k, v, None, scaling=0.3, position_ids=positions)[0]
 
     compiled = torch.compile(row, backend=BACKEND, fullgraph=True)
     want, eager_ops = op_calls(lambda: row(q, k, v))
     got, ops = op_calls(lambda: compiled(q, k, v))
     assert (eager_ops, ops) == (0, 1) and (got - want).abs().max() < 1e-12
-    first = torch.nn.functional.scaled_dot_product_attention(q[:, :, :12], k[:, :, :12], v[:, :, :12], is_causal=True)
+    first = torch.nn.functional.scaled_dot_product_attention(q[:, :, :12], k[:, :, :12], v[:, :, :12], is_causal=True,
+                                                             scale=0.3)
     assert (want[:, :12].transpose(1, 2) - first).abs().max() < 1e-12  # the first document alone
     rows = [torch.cat([t, t]) for t in (q, k, v)]
     batch = torch.compile(lambda q, k, v: blockdiag_cp_attention(layer, q, k, v, None)[0], backend=BACKEND,
                           fullgraph=True)
     assert (batch(*rows) - blockdiag_cp_attention(layer, *rows, None)[0]).abs().max() < 1e-12
+
+
+def test_a_padded_row_outside_a_step_keeps_its_padding_eager_and_compiled():
+    """One row with left padding: transformers builds its ``[1, 1, S, S]`` mask, the row call reads the padding
+    from it; the real tokens' logits equal SDPA's, eagerly and compiled (the op gets the mask)."""
+    transformers = pytest.importorskip("transformers")
+    import torch._dynamo
+
+    import blockdiag_cp.hf  # noqa: F401  (registers "blockdiag_cp")
+
+    torch._dynamo.reset()
+
+    def llama(attn):
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, attn_implementation=attn)
+        return transformers.LlamaForCausalLM(config).double()
+
+    ids = torch.randint(0, 50, (1, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(1, 12, dtype=torch.long)
+    mask[0, :4] = 0  # left padding
+    want = llama("sdpa")(input_ids=ids, attention_mask=mask, use_cache=False).logits[0, 4:]
+    ours = llama("blockdiag_cp")
+    compiled = torch.compile(ours, backend=BACKEND)
+    for model in (ours, compiled):
+        got = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[0, 4:]
+        assert (got - want).abs().max() < 1e-10
 
 
 def test_a_compiled_packed_row_of_a_model_with_unrouted_mixers_is_refused():
