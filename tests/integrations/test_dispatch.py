@@ -126,9 +126,9 @@ def test_layer_features_outside_a_step_are_refused(compiled):
 
 
 def test_transformers_row_call_is_the_op_only_when_compiled():
-    """transformers' attention function outside a step: a packed row (its documents from ``position_ids``) is the
-    op once compiled, never eagerly, with the eager call's result; several rows are transformers' own SDPA,
-    compiled without a break (its late-recompute check reads the slot only eagerly)."""
+    """transformers' attention function outside a step: a packed row (its documents from ``position_ids``, or
+    ``cu_seq_lens_q``) is the op once compiled, never eagerly, with the eager call's result; several rows are
+    transformers' own SDPA, compiled without a break (its late-recompute check reads the slot only eagerly)."""
     pytest.importorskip("transformers")
     import torch._dynamo
 
@@ -151,6 +151,13 @@ def test_transformers_row_call_is_the_op_only_when_compiled():
     first = torch.nn.functional.scaled_dot_product_attention(q[:, :, :12], k[:, :, :12], v[:, :, :12], is_causal=True,
                                                              scale=0.3)
     assert (want[:, :12].transpose(1, 2) - first).abs().max() < 1e-12  # the first document alone
+    cu_seqlens = torch.tensor([0, 12, 20], dtype=torch.int32)  # the same documents, marked as the flattening collator does
+
+    def marked(q, k, v):
+        return blockdiag_cp_attention(layer, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu_seqlens)[0]
+
+    for fn in (marked, torch.compile(marked, backend=BACKEND, fullgraph=True)):
+        assert (fn(q, k, v) - want).abs().max() < 1e-12
     rows = [torch.cat([t, t]) for t in (q, k, v)]
     batch = torch.compile(lambda q, k, v: blockdiag_cp_attention(layer, q, k, v, None)[0], backend=BACKEND,
                           fullgraph=True)
