@@ -9,6 +9,7 @@ The flow, once per training step, then once per attention layer; each stage is a
                           exchange's routing, the kernel's call       step/state.py
                           tables: all built once, frozen
     per attention layer   cp_blockdiag_sdpa(q, k, v)                   attention.py
+      -> dispatch         compiled op or eager path (one choice)      step/dispatch.py
       -> exchange         deliver the K/V rows the local queries see  exchange/
                           (with ulysses_degree > 1: inside head        exchange/ulysses.py,
                           all-to-alls, between head-parallel groups)  parallel/heads.py

@@ -2,8 +2,9 @@
 
 Outside an active step it is stock SDPA. Inside one (``with train_ctx():``) the
 local queries attend, causally, to exactly the keys of their own document, wherever
-those keys live: state -> exchange -> kernel (step/attend.py). Under torch.compile the
-call is one opaque op (Note [One opaque op] in opaque.py).
+those keys live: state -> exchange -> kernel. It only names its call (an `AttentionCall`) and hands
+it to `step.dispatch.attend`, which picks the compiled op or the eager path: Note [One way down]
+in step/dispatch.py.
 """
 
 from __future__ import annotations
@@ -12,11 +13,9 @@ import warnings
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
-from .opaque import opaque_attention
-from .step.attend import LayerFeatures, attend_active_step, autocast_inputs, refuse_late_recompute
-from .step.slot import STEP_SLOT
+from .step.call import AttentionCall, LayerFeatures
+from .step.dispatch import attend
 
 
 def cp_blockdiag_sdpa(
@@ -66,48 +65,6 @@ def cp_blockdiag_sdpa(
             "typo?). It takes attn_mask, dropout_p, is_causal, scale, enable_gqa, sliding_window, softcap, sinks.",
             stacklevel=2,
         )
-    features = LayerFeatures(sliding_window, softcap, sinks)
-    if torch.compiler.is_compiling():  # Note [One opaque op] in opaque.py
-        return _traced_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, features)
-    state = STEP_SLOT.reach()  # an attention call: the model reached the step
-    if state is None:
-        return _stock_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, features)
-    query, key, value = autocast_inputs(query, key, value)
-    return attend_active_step(state, query, key, value, dropout_p, scale, enable_gqa, features)
-
-
-def _traced_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, features) -> torch.Tensor:
-    """`cp_blockdiag_sdpa` while torch.compile traces: one opaque op wherever a step is or could be
-    involved (Note [One opaque op]); stock SDPA, traced, where neither."""
-    window, softcap, sinks = features.sliding_window, features.softcap, features.sinks
-    if STEP_SLOT.in_step:
-        query, key, value = autocast_inputs(query, key, value)
-        return opaque_attention("step", query, key, value, sinks=sinks, scale=scale, dropout_p=dropout_p,
-                                sliding_window=window, softcap=softcap, enable_gqa=enable_gqa)
-    _refuse_features_outside_a_step(features)
-    if attn_mask is None and query.shape[0] == 1 and key.shape[-2] == query.shape[-2]:  # could be a late recompute
-        query, key, value = autocast_inputs(query, key, value)
-        return opaque_attention("sdpa", query, key, value, scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa,
-                                is_causal=is_causal)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-
-
-def _stock_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, features) -> torch.Tensor:
-    """Outside a step: `F.scaled_dot_product_attention` itself (it has no window, softcap or sinks)."""
-    refuse_late_recompute(query, key, value)
-    _refuse_features_outside_a_step(features)
-    return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-        enable_gqa=enable_gqa,
-    )
-
-
-def _refuse_features_outside_a_step(features: "LayerFeatures") -> None:
-    if features != LayerFeatures():
-        raise ValueError(
-            "sliding_window, softcap and sinks work inside a block-diagonal CP step (or through "
-            "attn_implementation='blockdiag_cp'); outside one, cp_blockdiag_sdpa is stock SDPA, which has none"
-        )
-
-
+    call = AttentionCall("sdpa", LayerFeatures(sliding_window, softcap, sinks), scale=scale, dropout_p=dropout_p,
+                         enable_gqa=enable_gqa, is_causal=is_causal, attn_mask=attn_mask)
+    return attend(call, query, key, value)

@@ -106,6 +106,22 @@ def test_outside_a_step_it_is_stock_sdpa():
     assert torch.equal(cp_blockdiag_sdpa(q, k, v, is_causal=True), expected)
 
 
+def test_invalid_layer_features_are_refused_by_name_inside_a_step():
+    train_ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, ids_batch())
+    q, k, v = qkv(8)
+    heads = q.shape[1]
+    bad = [(dict(sliding_window=0), "sliding_window must be a positive int"),
+           (dict(sliding_window=True), "sliding_window must be a positive int"),
+           (dict(softcap=-1.0), "softcap must be a positive number"),
+           (dict(sinks=torch.zeros(heads + 1)), f"one logit per query head, \\[{heads}\\], got \\({heads + 1},\\)"),
+           (dict(sinks=torch.zeros(heads, device="meta")), "sinks are on meta, the queries on cpu")]
+    for features, message in bad:
+        with train_ctx(), pytest.raises(ValueError, match=message):
+            cp_blockdiag_sdpa(q, k, v, **features)
+    with train_ctx():  # valid ones pass
+        cp_blockdiag_sdpa(q, k, v, sliding_window=2, softcap=5.0, sinks=torch.zeros(heads))
+
+
 def test_two_different_steps_cannot_be_active_together():
     ctx_a, _ = make_cp_blockdiag_batch_and_ctx(None, None, ids_batch())
     ctx_b, _ = make_cp_blockdiag_batch_and_ctx(None, None, ids_batch())

@@ -44,7 +44,6 @@ documents come from the step).
 
 from __future__ import annotations
 
-import functools
 import inspect
 from typing import Any, Optional
 
@@ -53,18 +52,18 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..attention import cp_blockdiag_sdpa
 from transformers.utils.generic import TransformersKwargs
 
+from ..eager import eager_under_compile
 from ..mixers import refuse_unrouted_mixers, unrouted_config_mixers
+from ..mixers.detect import unrouted_refusal
 from ..mixers.routing import MODEL_CALL, PREPARED_KINDS
 from ..mixers.temperature import IMPLEMENTATION, document_positions, pending_temperature, tunes_queries
 from ..mixers.verify import config_problem, refusal
-from ..opaque import opaque_attention
-from ..step.attend import LayerFeatures, attend_row, autocast_inputs, refuse_late_recompute, row_state
+from ..step.attend import refuse_late_recompute, row_state
+from ..step.call import AttentionCall, LayerFeatures
+from ..step.dispatch import attend
 from ..step.slot import STEP_SLOT, current_step
-from ..step.state import StepState
-from ..eager import eager_under_compile
 
 ATTN_IMPLEMENTATION = IMPLEMENTATION  # "blockdiag_cp"
 #: arguments of an attention call the library applies, or that do not change attention's result (transformers'
@@ -74,6 +73,7 @@ KNOWN_ARGUMENTS = frozenset(TransformersKwargs.__annotations__) | {
 #: when the in-step refusal of unrouted token mixers runs, for its message
 IN_STEP = "inside a CP step"
 ON_A_ROW = "on a packed row outside a CP step"
+ON_A_PACKED_ROW = "on a packed row (several documents) outside a CP step"
 _SDPA_MASK_SIGNATURE = inspect.signature(sdpa_mask)
 
 
@@ -115,17 +115,17 @@ def blockdiag_cp_attention(
     """transformers attention function: ``query [B, H, S, D]``, ``key``/``value [B, Hk, K, D]``
     -> ``([B, S, H, D], None)``.
 
-    Inside a step: block-diagonal CP attention. Outside: one row whose keys are its queries
-    (`_one_row`) gets per-document attention (`attend_row`); anything else is transformers' own
-    ``sdpa_attention_forward`` with the mask transformers built (`attention_mask`, from
-    ``blockdiag_cp_mask``), softcap and sinks refused. Under ``torch.compile`` the first two
-    are one opaque op each (Note [One opaque op] in opaque.py); every decision here reads
-    shapes, the module and `StepSlot.in_step` only, so it traces without a break.
+    Inside a step: block-diagonal CP attention (a ``"step"`` call). Outside: one row whose keys
+    are its queries (`_one_row`) gets per-document attention (a ``"row"`` call); anything else is
+    transformers' own ``sdpa_attention_forward`` with the mask transformers built
+    (`attention_mask`, from ``blockdiag_cp_mask``), softcap and sinks refused. The first two only
+    name their call and hand it to `step.dispatch.attend`, which alone picks the compiled op or
+    the eager path (Note [One way down] in step/dispatch.py); every decision here reads shapes,
+    the module and `StepSlot.in_step` only, so it traces without a break.
     """
     features = layer_features(module, kwargs)
     if STEP_SLOT.in_step:
-        if not torch.compiler.is_compiling():  # compiled, the opaque op reads the step (which counts too)
-            STEP_SLOT.note_reached()  # Note [A step the model never reached] in step/slot.py
+        STEP_SLOT.note_reached()  # Note [A step the model never reached] in step/slot.py
         config = getattr(module, "config", None)
         refuse_unrouted_mixers(config, IN_STEP, getattr(module, PREPARED_KINDS, frozenset()))
         if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
@@ -136,8 +136,8 @@ def blockdiag_cp_attention(
             )
         _refuse_unapplied(module, attention_mask, kwargs, IN_STEP)
         query = _tuned_in_step(module, query)
-        out = cp_blockdiag_sdpa(query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=True,
-                                sliding_window=features.sliding_window, softcap=features.softcap, sinks=features.sinks)
+        out = attend(AttentionCall("step", features, scale=scaling, dropout_p=dropout, enable_gqa=True), query, key,
+                     value)
         return out.transpose(1, 2).contiguous(), None
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
@@ -147,8 +147,7 @@ def blockdiag_cp_attention(
         _refuse_unapplied(module, None, kwargs, ON_A_ROW)  # its [1, 1, S, S] mask marks padding (row_doc_ids)
         out = _attend_one_row(module, query, key, value, attention_mask, dropout, scaling, features, kwargs)
         return out.transpose(1, 2).contiguous(), None
-    if not torch.compiler.is_compiling():
-        refuse_late_recompute(query, key, value)
+    refuse_late_recompute(query, key, value)
     _refuse_beyond_sdpa(module, kwargs)
     pending = pending_temperature(module)
     if pending is not None:  # transformers' own positions (the call's tokens after the cached ones)
@@ -197,25 +196,20 @@ def _unprepared_temperature(module: torch.nn.Module, where: str) -> ValueError:
 
 
 def _attend_one_row(module, query, key, value, attention_mask, dropout, scaling, features, kwargs) -> torch.Tensor:
-    """`attend_row`, or under torch.compile its opaque op (a model with unrouted token mixers, which
-    must count the row's documents on the host, runs it eagerly: a graph break, not a silent result)."""
+    """The ``"row"`` call of one packed row outside a step: its marks (the layer's, else lent), the query
+    temperature, and for a model with unrouted token mixers the refusal its row of several documents gets."""
     position_ids, cu_seqlens = kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q")
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape != (1, query.shape[2]):
         position_ids = None
     if position_ids is None and cu_seqlens is None:  # Note [Rows whose layers are not handed positions]
         position_ids, cu_seqlens = _lent_marks(module, query.shape[2], attention_mask is None)
-    check = functools.partial(_refuse_unrouted_on_packed_row, module)
     if pending_temperature(module) is not None or tunes_queries(module):
         query = _tuned_on_row(module, query, attention_mask, position_ids, cu_seqlens, features.sliding_window)
-    if not torch.compiler.is_compiling():
-        return attend_row(query, key, value, attention_mask, position_ids, cu_seqlens, dropout, scaling, features, check)
-    if unrouted_config_mixers(getattr(module, "config", None), getattr(module, PREPARED_KINDS, frozenset())):
-        return _attend_row_eagerly(query, key, value, attention_mask, position_ids, cu_seqlens, dropout, scaling,
-                                   features, check)
-    query, key, value = autocast_inputs(query, key, value)
-    return opaque_attention("row", query, key, value, sinks=features.sinks, position_ids=position_ids,
-                            cu_seq_lens=cu_seqlens, attn_mask=attention_mask, scale=scaling, dropout_p=dropout,
-                            sliding_window=features.sliding_window, softcap=features.softcap, enable_gqa=True)
+    config, routed = getattr(module, "config", None), getattr(module, PREPARED_KINDS, frozenset())
+    refused = _packed_row_refusal(config, routed) if unrouted_config_mixers(config, routed) else None
+    call = AttentionCall("row", features, scale=scaling, dropout_p=dropout, enable_gqa=True, attn_mask=attention_mask,
+                         position_ids=position_ids, cu_seq_lens=cu_seqlens, refused_if_packed=refused)
+    return attend(call, query, key, value)
 
 
 def _lent_marks(module: torch.nn.Module, length: int, unmasked: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -245,20 +239,10 @@ def _tuned_on_row(module, query, attention_mask, position_ids, cu_seqlens, windo
 
 
 @eager_under_compile
-def _attend_row_eagerly(*args: Any) -> torch.Tensor:
-    """`attend_row`, run eagerly under torch.compile (a graph break)."""
-    return attend_row(*args)
-
-
-def _refuse_unrouted_on_packed_row(module: torch.nn.Module, local: StepState) -> None:
-    """`ValueError` if the model has token mixers outside attention and the row holds several documents
+def _packed_row_refusal(config: Any, routed: frozenset[str]) -> ValueError:
+    """The refusal of a row of several documents for a model whose token mixers outside attention are not routed
     (their state would cross document boundaries; one document is what they compute right)."""
-    config = getattr(module, "config", None)
-    routed = getattr(module, PREPARED_KINDS, frozenset())  # set by mixers.prepare_model on every submodule
-    if unrouted_config_mixers(config, routed):
-        ids = local.geometry.doc_ids
-        if int((ids.unique() != 0).sum()) > 1:
-            refuse_unrouted_mixers(config, "on a packed row (several documents) outside a CP step", routed)
+    return unrouted_refusal(unrouted_config_mixers(config, routed), ON_A_PACKED_ROW)
 
 
 def _refuse_beyond_sdpa(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:

@@ -128,7 +128,13 @@ def refuse_unrouted_mixers(model_or_config: Any, where: str, routed: frozenset[s
         return
     if STEP_SLOT.in_step and not torch.compiler.is_compiling():
         STEP_SLOT.note_reached()  # the model reached the library (Note [A step the model never reached])
-    raise ModelRefusal(_unrouted_message(found, where), unrouted_reason(found))
+    raise unrouted_refusal(found, where)
+
+
+def unrouted_refusal(found: tuple[UnroutedMixer, ...], where: str) -> ModelRefusal:
+    """The `ModelRefusal` naming the unrouted token mixers `found` (`where`: as for `refuse_unrouted_mixers`),
+    built, not raised."""
+    return ModelRefusal(_unrouted_message(found, where), unrouted_reason(found))
 
 
 def unrouted_reason(found: tuple[UnroutedMixer, ...]) -> str:

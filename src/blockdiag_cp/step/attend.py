@@ -1,15 +1,18 @@
-"""A layer's attention inside a step, and a single row's outside one (a one-rank step).
+"""The eager attention of a call: a layer's inside a step, a single row's outside one (a
+one-rank step), stock SDPA otherwise.
 
-Shared by every entry: `cp_blockdiag_sdpa` (attention.py), transformers' interface
-(hf/interface.py) and the opaque op that torch.compile sees (opaque.py). Per call it does
-only host-side checks of shapes and dtypes (no device synchronisation) and the math:
-everything else was planned once per step.
+Reached only through `step.dispatch.attend` (eagerly) or the opaque op's run time (opaque.py),
+never from an entry: Note [One way down] in dispatch.py. Per call it does only host-side checks
+of shapes and dtypes (no device synchronisation) and the math: everything else was planned once
+per step.
 
+    attend_eagerly       a settled `AttentionCall`, by kind: step, row or stock
     attend_active_step   the active step's call: ranks agree on a signature's first call,
                          the call is noted for Note [Late recompute], then attend_in_step
     attend_in_step       state -> exchange -> kernel on this rank's [1, H, L, D] shards
     attend_row           one packed row outside a step: planned once per forward
                          (the first layer plans, the others reuse it), then attend_in_step
+    stock_sdpa           F.scaled_dot_product_attention (no window, softcap or sinks)
 """
 
 from __future__ import annotations
@@ -17,35 +20,56 @@ from __future__ import annotations
 import math
 import warnings
 import zlib
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 
 from ..config import CPConfig
+from ..errors import ensure
 from ..kernels import CallOptions
 from .agree import agree_across_ranks
+from .call import AttentionCall, LayerFeatures
 from .doc_ids import block_causal_mask, resolve_doc_ids
 from .slot import STEP_SLOT, CallSignature
 from .state import StepState, build_step_state
 
 
+def attend_eagerly(call: AttentionCall, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The eager attention of `call`, settled (``"step"``, ``"row"`` or ``"stock"``): what `dispatch.attend` runs
+    when nothing traces, and the opaque op at run time (Note [One way down] in dispatch.py)."""
+    if call.kind == "row":
+        return attend_row(call, query, key, value)
+    if call.kind == "stock":
+        refuse_late_recompute(query, key, value)
+        return stock_sdpa(call, query, key, value)
+    ensure(call.kind == "step", f"attention call {call.kind!r} reached the eager path unsettled")
+    state = STEP_SLOT.reach()  # an attention call: the model reached the step
+    if state is None:  # traced inside a step, run after it: a checkpointed layer recomputed after the step
+        raise RuntimeError(
+            "attention was recomputed in backward (activation checkpointing) after the block-diagonal CP "
+            "step ended; call loss.backward() inside `with train_ctx():`"
+        )
+    query, key, value = autocast_inputs(query, key, value)
+    return attend_active_step(state, call, query, key, value)
+
+
 def attend_active_step(
-    state: StepState, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float,
-    scale: Optional[float], enable_gqa: bool, features: "LayerFeatures",
+    state: StepState, call: AttentionCall, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 ) -> torch.Tensor:
-    """`cp_blockdiag_sdpa` inside the step `state` (the slot's active one), its inputs already in the
+    """A ``"step"`` `call` inside the step `state` (the slot's active one), its inputs already in the
     autocast dtype: the ranks agree on a signature's first call, the call is noted for
     Note [Late recompute], then `attend_in_step`."""
+    features = call.features
     signature = call_signature(query, key, value, features)
     if STEP_SLOT.needs_agreement(signature):
-        problem = call_problem(state, query, key, value, enable_gqa) or features.problem(query)
+        problem = call_problem(state, query, key, value, call.enable_gqa) or features.problem(query.shape[1], query.device)
         _agree_on_call(state, signature, problem)
     step_id = STEP_SLOT.note_call(signature)
     if query.requires_grad or key.requires_grad or value.requires_grad:
         query, key, value = _MarkStepBackward.apply(step_id, query, key, value)
-    return attend_in_step(state, query, key, value, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa,
-                          features=features)
+    return attend_in_step(state, query, key, value, dropout_p=call.dropout_p, scale=call.scale,
+                          enable_gqa=call.enable_gqa, features=features)
 
 
 def attend_in_step(
@@ -68,7 +92,7 @@ def attend_in_step(
     the routing and call tables of its layer kind (`StepState.exchange_for`).
     """
     features = LayerFeatures() if features is None else features
-    problem = call_problem(state, query, key, value, enable_gqa) or features.problem(query)
+    problem = call_problem(state, query, key, value, enable_gqa) or features.problem(query.shape[1], query.device)
     if problem is not None:
         raise problem
     kernel = _kernel_for(state, query, float(dropout_p), features)
@@ -96,41 +120,6 @@ def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(t.to(dtype) if t.is_floating_point() and t.dtype not in (dtype, torch.float64) else t for t in tensors)
-
-
-@dataclass(frozen=True)
-class LayerFeatures:
-    """What a layer asks beyond per-document causal attention (see `cp_blockdiag_sdpa`)."""
-
-    sliding_window: Optional[int] = None
-    softcap: Optional[float] = None
-    sinks: Optional[torch.Tensor] = field(default=None, compare=False)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, LayerFeatures) and self.key() == other.key()
-
-    def __hash__(self) -> int:
-        return hash(self.key())
-
-    def key(self) -> tuple:
-        """The features as plain values (the sinks by shape): what ranks must agree on."""
-        sinks = None if self.sinks is None else tuple(self.sinks.shape)
-        return (self.sliding_window, self.softcap, sinks)
-
-    def problem(self, query: torch.Tensor) -> Optional[ValueError]:
-        """The `ValueError` these features deserve for `query` (None when they are valid)."""
-        window, softcap, sinks = self.sliding_window, self.softcap, self.sinks
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            return ValueError(f"sliding_window must be a positive int (keys (q - w, q]), got {window!r}")
-        if softcap is not None and (not isinstance(softcap, (int, float)) or not softcap > 0):
-            return ValueError(f"softcap must be a positive number, got {softcap!r}")
-        if sinks is not None:
-            if not isinstance(sinks, torch.Tensor) or sinks.shape != (query.shape[1],):
-                shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-                return ValueError(f"sinks must be one logit per query head, [{query.shape[1]}], got {shape}")
-            if sinks.device != query.device:
-                return ValueError(f"sinks are on {sinks.device}, the queries on {query.device}")
-        return None
 
 
 def call_signature(
@@ -183,8 +172,12 @@ def refuse_late_recompute(query: torch.Tensor, key: torch.Tensor, value: torch.T
     """Raise if this call, outside any step, is a checkpointed CP layer recomputed in
     backward after its step's ``train_ctx()`` exited (Note [Late recompute] in step/slot.py).
 
-    Such a recompute would silently compute unsharded, unmasked attention.
+    Such a recompute would silently compute unsharded, unmasked attention. Nothing while torch.compile
+    traces (the slot is host state): a compiled call that may be one is the opaque op, whose run
+    checks (Note [One way down] in dispatch.py).
     """
+    if torch.compiler.is_compiling():
+        return
     ended = STEP_SLOT.ended_step()
     if ended is None or torch._C._current_graph_task_id() == -1:
         return
@@ -303,20 +296,25 @@ def row_state(query: torch.Tensor, attention_mask, position_ids, cu_seqlens, win
     return STEP_SLOT.implicit_state((position_ids, cu_seqlens, attention_mask), (S, query.device, window), plan)
 
 
-def attend_row(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Optional[torch.Tensor],
-    position_ids: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], dropout: float,
-    scaling: Optional[float], features: LayerFeatures, check: Optional[Callable[[StepState], None]] = None,
-) -> torch.Tensor:
-    """Per-document attention of one row outside a step, whose keys are its queries: ``query
-    [1, H, S, Dk]``, ``key [1, Hk, S, Dk]``, ``value [1, Hk, S, Dv]`` -> ``[1, H, S, Dv]``. Its documents come from
-    `cu_seqlens`, else `position_ids` ``[1, S]`` that restart, else one document, and its padding
-    from a ``[1, 1, S, S]`` `attention_mask` (`row_doc_ids`). `check` sees the planned row first
-    (transformers' interface refuses unrouted token mixers on a row of several documents)."""
+def attend_row(call: AttentionCall, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """A ``"row"`` `call`: per-document attention of one row outside a step, whose keys are its queries:
+    ``query [1, H, S, Dk]``, ``key [1, Hk, S, Dk]``, ``value [1, Hk, S, Dv]`` -> ``[1, H, S, Dv]``. Its documents
+    come from the call's ``cu_seq_lens``, else its ``position_ids`` ``[1, S]`` that restart, else one document, and
+    its padding from a ``[1, 1, S, S]`` ``attn_mask`` (`row_doc_ids`). A call `refused_if_packed` raises that
+    refusal on a row of several documents."""
     refuse_late_recompute(query, key, value)
-    local = row_state(query, attention_mask, position_ids, cu_seqlens, features.sliding_window)
-    if check is not None:
-        check(local)
+    features = call.features
+    local = row_state(query, call.attn_mask, call.position_ids, call.cu_seq_lens, features.sliding_window)
+    if call.refused_if_packed is not None and int((local.geometry.doc_ids.unique() != 0).sum()) > 1:
+        raise call.refused_if_packed
     query, key, value = autocast_inputs(query, key, value)
-    return attend_in_step(local, query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=True,
-                          features=features)
+    return attend_in_step(local, query, key, value, dropout_p=call.dropout_p, scale=call.scale,
+                          enable_gqa=call.enable_gqa, features=features)
+
+
+def stock_sdpa(call: AttentionCall, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Outside a step: `F.scaled_dot_product_attention` itself, with the call's mask and causality (it has no
+    window, softcap or sinks: refused)."""
+    call.features.refuse_outside_a_step()
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=call.attn_mask, dropout_p=call.dropout_p,
+                                          is_causal=call.is_causal, scale=call.scale, enable_gqa=call.enable_gqa)

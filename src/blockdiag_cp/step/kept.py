@@ -1,7 +1,7 @@
 """`KeptGraphs`: the autograd graphs of opaque attention calls, kept until their backward runs.
 
 Part of the step slot (slot.py): the one piece of mutable process state. See
-Note [One opaque op] in opaque.py for why a compiled graph's attention keeps its eager
+Note [One opaque op] in opaque.py (beside this file) for why a compiled graph's attention keeps its eager
 autograd graph here, under a small integer handle.
 """
 

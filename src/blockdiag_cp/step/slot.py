@@ -16,7 +16,7 @@ lock. It is the only module-level object that changes, and it holds:
   integration plans once per forward, not once per layer); it is dropped as soon as
   the tensor it was derived from is freed;
 - the autograd graphs of compiled attention calls until their backward runs
-  (`KeptGraphs`, Note [One opaque op] in opaque.py).
+  (`KeptGraphs`, Note [One opaque op] in step/opaque.py).
 
 `in_step` is a plain bool, read without the lock: it is what ``torch.compile`` guards on
 (a compiled function has one graph for inside steps and one for outside), where a lock
@@ -192,7 +192,10 @@ class StepSlot:
 
     def note_reached(self) -> None:
         """The model reached the library in the active step: a routed token mixer, transformers' attention
-        interface, or a refusal of the library (Note [A step the model never reached])."""
+        interface, or a refusal of the library (Note [A step the model never reached]). Nothing while
+        torch.compile traces: the compiled attention (the opaque op) reaches the step when it runs."""
+        if torch.compiler.is_compiling():
+            return
         with self._lock:
             if self._active is not None:
                 self._active.reached += 1

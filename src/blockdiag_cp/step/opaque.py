@@ -13,11 +13,12 @@ layer's scale, window, softcap and dropout), so a new row never recompiles it. T
 Python state the traced code reads is `StepSlot.in_step`, a plain bool: a function
 compiled inside and outside steps has one graph for each.
 
-Three calls share the op (`call`):
+Three kinds of settled `AttentionCall` share the op (its ``kind`` argument), chosen by
+`dispatch.attend` (Note [One way down] in dispatch.py), each run by `attend.attend_eagerly`:
 
-    step   inside a step: the active step's CP attention (step.attend.attend_active_step)
-    row    outside a step, one packed row through transformers (step.attend.attend_row)
-    sdpa   outside a step, a cp_blockdiag_sdpa call that could be a CP layer's late
+    step   inside a step: the active step's CP attention
+    row    outside a step, one packed row through transformers
+    stock  outside a step, a cp_blockdiag_sdpa call that could be a CP layer's late
            recompute (one row, keys = queries, no mask): checked, then stock SDPA
 
 Backward. The op's real forward builds the eager attention's own autograd graph on
@@ -44,15 +45,16 @@ import contextlib
 from typing import Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 
-from .errors import ensure
-from .step.attend import LayerFeatures, attend_active_step, attend_row, refuse_late_recompute
-from .step.kept import KeptGraph
-from .step.slot import STEP_SLOT
+from ..errors import ensure
+from .attend import attend_eagerly, autocast_inputs
+from .call import AttentionCall, LayerFeatures
+from .kept import KeptGraph
+from .slot import STEP_SLOT
 
 OP = "blockdiag_cp::attention"
-CALLS = ("step", "row", "sdpa")
+#: the settled kinds of call the op runs (a call `refused_if_packed` runs eagerly: Note [One way down])
+OP_KINDS = ("step", "row", "stock")
 #: dispatch keys the op's real implementation runs without (it is called below autograd)
 _AUTOGRAD_KEYS = tuple(
     getattr(torch._C.DispatchKey, name)
@@ -64,34 +66,22 @@ _TRACING_KEYS = tuple(
 )
 
 
-def opaque_attention(
-    call: str,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    *,
-    sinks: Optional[torch.Tensor] = None,
-    position_ids: Optional[torch.Tensor] = None,
-    cu_seq_lens: Optional[torch.Tensor] = None,
-    attn_mask: Optional[torch.Tensor] = None,
-    scale: Optional[float] = None,
-    dropout_p: float = 0.0,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
-    enable_gqa: bool = False,
-    is_causal: bool = False,
-) -> torch.Tensor:
-    """The attention `call` (``"step"``, ``"row"`` or ``"sdpa"``) as one traceable op:
-    ``query [B, H, S, D]``, ``key``/``value [B, Hk, S, D]`` -> ``[B, H, S, Dv]`` (contiguous)."""
-    ensure(call in CALLS, f"unknown opaque attention call {call!r}")
+def opaque_attention(call: AttentionCall, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The settled `call` (kind ``"step"``, ``"row"`` or ``"stock"``) as one traceable op: ``query [B, H, S, D]``,
+    ``key``/``value [B, Hk, S, D]`` -> ``[B, H, S, Dv]`` (contiguous). The inputs enter in the autocast dtype (as
+    SDPA takes them): the fake output takes the queries' dtype."""
+    ensure(call.kind in OP_KINDS and call.refused_if_packed is None, f"no opaque attention for a {call.kind!r} call")
+    query, key, value = autocast_inputs(query, key, value)
+    features = call.features
+    sinks, scale, softcap = features.sinks, call.scale, features.softcap
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, sinks))
     # dropout draws from a seed drawn here, in the graph: a recompute (checkpointing) reuses it
-    seed = torch.randint(0, 2**62, (), dtype=torch.int64) if dropout_p > 0 else None
+    seed = torch.randint(0, 2**62, (), dtype=torch.int64) if call.dropout_p > 0 else None
     out, _ = torch.ops.blockdiag_cp.attention(
-        query, key, value, sinks, position_ids, cu_seq_lens, attn_mask, seed, call,
-        None if scale is None else float(scale), float(dropout_p), sliding_window,
-        None if softcap is None else float(softcap), bool(enable_gqa), bool(is_causal), needs_grad)
+        query, key, value, sinks, call.position_ids, call.cu_seq_lens, call.attn_mask, seed, call.kind,
+        None if scale is None else float(scale), float(call.dropout_p), features.sliding_window,
+        None if softcap is None else float(softcap), bool(call.enable_gqa), bool(call.is_causal), needs_grad)
     return out
 
 
@@ -99,12 +89,12 @@ def opaque_attention(
 def _attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks: Optional[torch.Tensor],
     position_ids: Optional[torch.Tensor], cu_seq_lens: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],
-    seed: Optional[torch.Tensor], call: str, scale: Optional[float], dropout_p: float, sliding_window: Optional[int],
+    seed: Optional[torch.Tensor], kind: str, scale: Optional[float], dropout_p: float, sliding_window: Optional[int],
     softcap: Optional[float], enable_gqa: bool, is_causal: bool, needs_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     tensors = (query, key, value) if sinks is None else (query, key, value, sinks)
     marks = (position_ids, cu_seq_lens, attn_mask)
-    options = (call, scale, dropout_p, sliding_window, softcap, enable_gqa, is_causal)
+    options = (kind, scale, dropout_p, sliding_window, softcap, enable_gqa, is_causal)
     with _seeded(seed, query.device):
         if not needs_grad:
             with torch.no_grad():
@@ -118,7 +108,7 @@ def _attention(
 
 
 @_attention.register_fake
-def _attention_fake(query, key, value, sinks, position_ids, cu_seq_lens, attn_mask, seed, call, scale, dropout_p,
+def _attention_fake(query, key, value, sinks, position_ids, cu_seq_lens, attn_mask, seed, kind, scale, dropout_p,
                     sliding_window, softcap, enable_gqa, is_causal, needs_grad):
     return query.new_empty((*query.shape[:-1], value.shape[-1])), torch.empty((), dtype=torch.int64)
 
@@ -154,25 +144,14 @@ def _backward(ctx, grad_out: torch.Tensor, _grad_handle):
 _attention.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _run(tensors, marks, call, scale, dropout_p, window, softcap, enable_gqa, is_causal) -> torch.Tensor:
-    """The eager attention of `call` (Note [One opaque op])."""
+def _run(tensors, marks, kind, scale, dropout_p, window, softcap, enable_gqa, is_causal) -> torch.Tensor:
+    """The eager attention of the call the op's arguments spell (Note [One opaque op])."""
     query, key, value = tensors[:3]
     sinks = tensors[3] if len(tensors) > 3 else None
     position_ids, cu_seq_lens, attn_mask = marks
-    features = LayerFeatures(window, softcap, sinks)
-    if call == "step":
-        state = STEP_SLOT.reach()  # an attention call: the model reached the step
-        if state is None:  # the graph was traced inside a step: this run is its recompute after the step
-            raise RuntimeError(
-                "attention was recomputed in backward (activation checkpointing) after the block-diagonal CP "
-                "step ended; call loss.backward() inside `with train_ctx():`"
-            )
-        return attend_active_step(state, query, key, value, dropout_p, scale, enable_gqa, features)
-    if call == "row":
-        return attend_row(query, key, value, attn_mask, position_ids, cu_seq_lens, dropout_p, scale, features)
-    refuse_late_recompute(query, key, value)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    call = AttentionCall(kind, LayerFeatures(window, softcap, sinks), scale, dropout_p, enable_gqa, is_causal,
+                         attn_mask, position_ids, cu_seq_lens)
+    return attend_eagerly(call, query, key, value)
 
 
 def _fresh(out: torch.Tensor, inputs: tuple[torch.Tensor, ...], copy: bool = False) -> torch.Tensor:
