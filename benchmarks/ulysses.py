@@ -27,12 +27,14 @@ import torch
 
 from blockdiag_cp import CPConfig
 from blockdiag_cp.plan.cost import candidate_degrees, pick_degree, scheme_cost
-from blockdiag_cp.plan import make_plan
+from blockdiag_cp.plan import StepCosts, make_plan
 from blockdiag_cp.testing import doc_ids_from_lengths, spawn
 from blockdiag_cp.tools.bench import attention_leaves, bytes_written, doc_lengths
 
 S, WORLD, H, HK, D = 8192, 4, 8, 2, 64
 DEGREES = (1, 2, 4, "auto")
+#: the predicted time per layer: a pair of one head of 128 at 400 TFLOP/s, links of 400 / 50 GB/s
+LAYER = StepCosts.for_attention(head_dim=128, tflops=400.0, intra_gbps=400.0, inter_gbps=50.0)
 ROWS = {"one long document": "one", "300 power-law docs": "powerlaw:300", "many short docs": "uniform:61"}
 
 
@@ -102,7 +104,7 @@ def planned() -> tuple[list[str], float]:
             hybrid = f"{hybrids[u_best].max_sent / 1e6:.1f} ({u_best})" if u_best else "-"
             ulysses = f"{costs[world].max_sent / 1e6:.1f}" if world in costs else "n/a (32 heads)"
             inter = [float((c.ulysses_inter + c.kv_inter).max()) / 1e6 for c in (costs[1], costs[choice.degree])]
-            ms = [float(c.seconds(400.0, 50.0, 128, 400.0).max()) * 1e3 for c in (costs[1], costs[choice.degree])]
+            ms = [float(c.seconds(LAYER).max()) * 1e3 for c in (costs[1], costs[choice.degree])]
             lines.append(f"| {name} | {world} | {costs[1].max_sent / 1e6:.1f} | {hybrid} | {ulysses} | "
                          f"u={choice.degree} | {ratio:.3f} | {inter[0]:.0f} / {inter[1]:.0f} | "
                          f"{ms[0]:.0f} / {ms[1]:.0f} |")

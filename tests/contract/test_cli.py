@@ -215,17 +215,20 @@ def test_plan_whole_batch_projects_fixed_rows_against_the_grouped_plan(tmp_path,
 
 def test_plan_counts_mla_values_at_their_own_head_dim(capsys):
     """``--v-head-dim 128`` beside ``--head-dim 192`` (DeepSeek-V3): every scheme's bytes are (192 + 128) / (2 x 192)
-    of the equal-width run's (K/V rows and head all-to-alls alike), and the header names both dims."""
-    tables = []
+    of the equal-width run's (K/V rows and head all-to-alls alike), so is its predicted time (the pairs' FLOPs
+    scale with Dk + Dv too), and the header names both dims."""
+    tables, times = [], []
     for extra in ([], ["--v-head-dim", "128"]):
         assert main(["plan", "--world", "4", "--seq-len", "8192", "--heads", "16", "--kv-heads", "16",
                      "--head-dim", "192", "--docs", "one", *extra]) == 0
         out = capsys.readouterr().out
         rows = [line.split("|") for line in out.splitlines() if line.startswith("| ") and "scheme" not in line]
         tables.append({row[1].strip(): float(row[2]) + float(row[3]) for row in rows})
+        times.append({row[1].strip(): float(row[5]) for row in rows})
     assert "heads of 192 (values 128)" in out and tables[0].keys() == tables[1].keys()
     for name, equal in tables[0].items():
         assert abs(tables[1][name] - equal * 320 / 384) <= 0.02, (name, equal, tables[1][name])
+        assert abs(times[1][name] - times[0][name] * 320 / 384) <= 0.002, (name, times[0][name], times[1][name])
 
 
 def test_version(capsys):

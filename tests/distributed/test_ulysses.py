@@ -267,7 +267,7 @@ def test_cost_model_counts_mla_keys_and_values_at_their_own_head_dims():
     counts q k^T at Dk and p v at Dv."""
     import warnings
 
-    from blockdiag_cp.plan import make_plan
+    from blockdiag_cp.plan import StepCosts, make_plan
     from blockdiag_cp.plan.cost import scheme_cost
     from blockdiag_cp.step.state import build_step_state
 
@@ -284,7 +284,8 @@ def test_cost_model_counts_mla_keys_and_values_at_their_own_head_dims():
                     warnings.simplefilter("ignore")
                     state = build_step_state(ids, world, rank, None, config, torch.device("cpu"))
                 assert state.bytes_per_layer(12, 2, Dk, torch.float32, v_head_dim=Dv).sent == cost.sent[rank]
-            seconds = cost.seconds(1.0, 1.0, Dk, 1.0, v_head_dim=Dv) - cost.sent / 1e9
+            seconds = cost.seconds(StepCosts.for_attention(head_dim=Dk, v_head_dim=Dv, tflops=1.0, intra_gbps=1.0,
+                                                           inter_gbps=1.0)) - cost.sent / 1e9
             assert torch.allclose(seconds, 7.0 * cost.work * (Dk + Dv) / 1e12, rtol=1e-12, atol=0)
 
 
@@ -292,12 +293,19 @@ def test_auto_degree_picks_the_cheapest_scheme_in_bytes():
     from blockdiag_cp.plan.cost import choose_ulysses_degree
 
     ids = doc_ids_from_lengths((4096,))
-    one_doc = choose_ulysses_degree(ids, 8, CPConfig(ulysses_degree="auto", attention_heads=(8, 8), layout="balanced"))
+    one_doc = choose_ulysses_degree(ids, 8, (8, 8), layout="balanced")
     ids = doc_ids_from_lengths((64,) * 64)
-    short = choose_ulysses_degree(ids, 8, CPConfig(ulysses_degree="auto", attention_heads=(32, 8)))
+    short = choose_ulysses_degree(ids, 8, (32, 8), layout="contiguous")
     for choice in (one_doc, short):
         best = min(c.max_sent for c in choice.costs)
         assert next(c for c in choice.costs if c.degree == choice.degree).max_sent <= 1.05 * best
+    from blockdiag_cp.plan import make_plan
+    from blockdiag_cp.plan.cost import scheme_cost
+
+    ring = choose_ulysses_degree(ids, 8, (32, 8), layout="contiguous", exchange="ring")  # the exchange is costed
+    plan = make_plan(ids, 8, "contiguous")
+    for c in ring.costs:
+        assert c.exchange == "ring" and torch.equal(c.sent, scheme_cost(plan, ids, c.degree, (32, 8), exchange="ring").sent)
     assert one_doc.degree > 1  # one long document: head parallelism moves less
     assert short.degree == 1  # documents inside ranks: nothing crosses, Ulysses would move q, k, v, o
     assert "u=1" in short.reason

@@ -10,7 +10,8 @@ import torch
 
 from blockdiag_cp.plan import PlanOptions, StepCosts, plan_shards
 from blockdiag_cp.plan.geometry import StepGeometry
-from blockdiag_cp.plan.grouped import pairs_before, place_runs, plan_grouped
+from blockdiag_cp.plan.grouped import place_runs, plan_grouped
+from blockdiag_cp.plan.step_costs import pairs_before
 from blockdiag_cp.plan.whole_batch import micro_batches, pack_rows, project
 from blockdiag_cp.testing import doc_ids_from_lengths
 
@@ -98,16 +99,17 @@ def sft_micro_batches(dp, batches, seed=0, mu=7.0, sigma=1.2, row=32768):
 def test_a_group_takes_the_least_loaded_window_inside_a_node():
     """Two nodes of 4 ranks; ranks 3 and 4 (either side of the node boundary) are the least loaded, so the
     best window of 2 would cross it: the planner takes the best window inside a node instead."""
-    from blockdiag_cp.plan.grouped import _Loads, _Problem
+    from blockdiag_cp.plan.grouped import _Problem
+    from blockdiag_cp.plan.loads import Loads
 
     lengths = np.array([1000, 10, 10])
     problem = _Problem.of(np.array([0, 1000, 1010]), lengths, np.ones(3, bool), 8, PlanOptions(ranks_per_node=4))
-    state = _Loads(8, cap=10**9)
+    state = Loads(8, cap=10**9)
     state.seconds[:] = [5.0, 5.0, 4.0, 1.0, 1.0, 3.0, 5.0, 5.0]
     # ranks 3-4 (loads 1, 1) would cross the node boundary; inside a node 4-5 (1, 3) beats 2-3 (4, 1)
-    assert problem._best_window(state, problem._group(0, 2)) == 4
+    assert state.best_window(problem.cutter.cut(0, 2), problem.rpn) == 4
     state.seconds[:] = [5.0, 5.0, 5.0, 1.0, 1.0, 5.0, 5.0, 5.0]
-    assert problem._best_window(state, problem._group(0, 2)) in (2, 4)
+    assert state.best_window(problem.cutter.cut(0, 2), problem.rpn) in (2, 4)
 
 
 @pytest.mark.parametrize("grain", [1.0, 0.5, 0.25])

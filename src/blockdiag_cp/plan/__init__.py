@@ -1,13 +1,16 @@
 """Where each token goes: layouts, the step's geometry, the cost models.
 
-    runs.py         a document id row's runs (the lowest layer: plan/ imports nothing above it)
+    runs.py         a document id row's runs (the lowest layer; plan/ imports nothing above it, config.py included)
     shard_plan.py   ShardPlan (positions per rank) and the attention work model
     layouts.py      plan_shards / make_plan: the layout registry's planner for a row
     options.py      PlanOptions: the work model's window and the grouped layout's knobs
     contiguous.py   the seed's equal contiguous chunks
     balanced.py     equal tokens and equal causal attention work per rank
-    grouped.py      each document on the fewest nearby ranks its work needs (whole batches)
-    step_costs.py   StepCosts: seconds per token, per pair, per byte (the grouped planner's model)
+    grouped.py      each document on the fewest nearby ranks its work needs (whole batches): the planner
+    groups.py       the grouped layout's groups: a document cut over nearby ranks, its members' costs and links
+    loads.py        the ranks' loads while a grouped plan is built, and the planner's moves on them
+    whole_batch.py  whole batches from document lengths: rows packed as trainers pack them, fixed rows vs grouped
+    step_costs.py   StepCosts: seconds per token, per pair, per byte; every cost formula, as its methods
     geometry.py     StepGeometry: who needs which keys (replicated, built once per step)
     ranges.py       host-side index helpers the planners share
     cost.py         bytes and time per exchange scheme (ulysses_degree="auto", `blockdiag-cp plan`)

@@ -35,9 +35,10 @@ from typing import Optional
 
 import torch
 
-from ..config import CPConfig
 from .traffic import kv_row_elements, split_kv_heads, travel_rows, ulysses_peer_elements
 from .geometry import StepGeometry
+from .options import PlanOptions
+from .step_costs import StepCosts
 from . import ShardPlan, attention_work, make_plan, merge_consecutive_ranks
 
 NEEDED_ONLY = ("auto", "a2a", "halo", "p2p")
@@ -68,15 +69,11 @@ class SchemeCost:
     def max_sent(self) -> float:
         return float(self.sent.max())
 
-    def seconds(self, intra_gbps: float, inter_gbps: float, head_dim: int, tflops: float,
-                v_head_dim: Optional[int] = None) -> torch.Tensor:
-        """``[W]`` predicted seconds per layer: links at their bandwidths (GB/s), then the attention
-        at `tflops` (3.5 x 2 x pairs x heads x (Dk + Dv) FLOPs, forward + backward: ``q k^T`` and ``p v``;
-        `v_head_dim` None: ``Dv = Dk``); no overlap assumed."""
-        link = (self.ulysses_intra + self.kv_intra) / (intra_gbps * 1e9) + (self.ulysses_inter + self.kv_inter) / (
-            inter_gbps * 1e9)
-        widths = head_dim + (head_dim if v_head_dim is None else v_head_dim)
-        return link + 7.0 * self.work * widths / (tflops * 1e12)
+    def seconds(self, costs: StepCosts) -> torch.Tensor:
+        """``[W]`` predicted seconds per layer under `costs` (`StepCosts.for_attention`: one pair of one head at
+        its FLOPs, links at their speeds): the links, then the attention (`work` pair-heads); no overlap."""
+        links = costs.link_seconds(self.ulysses_intra + self.kv_intra, self.ulysses_inter + self.kv_inter)
+        return links + costs.seconds(0, self.work, pieces=0)
 
 
 @dataclass(frozen=True)
@@ -162,11 +159,13 @@ def _ulysses_bytes(W: int, degree: int, per_peer: int, node: torch.Tensor):
     return intra, inter
 
 
-def choose_ulysses_degree(doc_ids_S: torch.Tensor, world: int, config: CPConfig) -> DegreeChoice:
-    """``ulysses_degree="auto"``: the degree whose busiest rank sends the fewest bytes (Note [Scheme costs])."""
-    heads = config.attention_heads
-    plan = make_plan(doc_ids_S.cpu(), world, config.layout, config.plan_options())
-    return pick_degree([scheme_cost(plan, doc_ids_S, u, heads, exchange=config.kv_exchange)
+def choose_ulysses_degree(doc_ids_S: torch.Tensor, world: int, heads: tuple[int, int], *, layout: str,
+                          options: Optional[PlanOptions] = None, exchange: str = "auto") -> DegreeChoice:
+    """``ulysses_degree="auto"``: the degree whose busiest rank sends the fewest bytes (Note [Scheme costs]), for
+    `heads` ``(query heads, K/V heads)`` and the row planned with `layout` and `options` (a `CPConfig`'s
+    ``attention_heads``, ``layout``, ``plan_options()`` and ``kv_exchange``)."""
+    plan = make_plan(doc_ids_S.cpu(), world, layout, options)
+    return pick_degree([scheme_cost(plan, doc_ids_S, u, heads, exchange=exchange)
                         for u in candidate_degrees(world, heads[0])])
 
 

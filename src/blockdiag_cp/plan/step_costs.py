@@ -1,5 +1,11 @@
 """`StepCosts`: what one training step costs per token, per attention pair and per byte moved.
 
+The cost formulas live here, as `StepCosts` methods, and nowhere else: `seconds` (the model
+below), `document_seconds` (runs kept whole), `span_seconds` (a piece of a cut document),
+`row_seconds` (a row of whole documents), `link_seconds` / `exposed_seconds` (K/V traffic).
+The grouped planner (grouped.py, groups.py), the whole-batch projection (whole_batch.py) and
+`blockdiag-cp plan` (through cost.py's `SchemeCost.seconds`) cost their work with them.
+
 Note [The step's cost model]
 ----------------------------
 The grouped planner (grouped.py) balances *modeled seconds*, not tokens or pairs. One
@@ -20,7 +26,7 @@ forward + backward of the whole model on a rank costs
                                                  an identity state (Note [Passing a
                                                  recurrent state across ranks, in parallel])
 
-and its K/V exchange moves `kv_bytes_per_token` per row it sends (forward, all attention
+(`StepCosts.seconds`) and its K/V exchange moves `kv_bytes_per_token` per row it sends (forward, all attention
 layers; backward sends the same bytes again as gradients) at `intra_gbps` inside a node and
 `inter_gbps` across nodes. A transfer hides behind the attention of the queries over the keys
 the rank holds itself (it can run while the other keys arrive); what is left is added.
@@ -38,7 +44,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    import numpy as np
+
+# numpy is imported inside the functions that need it: `CPConfig` imports this module, and the
+# package root and ``blockdiag-cp --help`` stay plain Python (tests/contract/test_cli.py).
 
 #: A rectangle's pair costs this fraction of a causal square's (Note [Kernel-aware work] in balanced.py) ...
 RECTANGLE_PAIR_COST = 0.88
@@ -60,9 +72,27 @@ def transformer_flops(
     projections = hidden * (heads * (head_dim + v_dim) + kv_heads * (head_dim + v_dim))
     mlp = 3 * hidden * intermediate * max(1, active_experts)
     per_token = 6.0 * (layers * (projections + mlp) + hidden * vocab)
-    per_pair = 7.0 * heads * (head_dim + v_dim) * attention_layers
+    per_pair = pair_flops(heads=heads, head_dim=head_dim, v_head_dim=v_dim, layers=attention_layers)
     carry = 6.0 * (layers - attention_layers) * heads * head_dim * mixer_state
     return per_token, per_pair, carry, float(kv_heads * (head_dim + v_dim) * bytes_per_element * attention_layers)
+
+
+def pair_flops(*, heads: int, head_dim: int, v_head_dim: int, layers: int = 1) -> float:
+    """FLOPs of one query-key pair over `heads` heads and `layers` attention layers, forward + backward:
+    ``2 (D_qk + D_v)`` per head forward (``q k^T`` and ``p v``), 2.5 times that backward."""
+    return 7.0 * heads * (head_dim + v_head_dim) * layers
+
+
+def pairs_before(offset: "np.ndarray", window: Optional[int]) -> "np.ndarray":
+    """``F(n)`` (float64, the shape of `offset`, an integer array): query-key pairs of a document's first `n`
+    queries, each seeing its earlier keys and itself, at most `window` (None: all)."""
+    import numpy as np
+
+    n = offset.astype(np.float64)
+    if window is None:
+        return n * (n + 1) / 2
+    w = float(window)
+    return np.where(n <= w, n * (n + 1) / 2, w * (w + 1) / 2 + (n - w) * w)
 
 
 #: a 1B-class Llama at 400 TFLOP/s: the defaults of `StepCosts` (Note [The step's cost model])
@@ -115,8 +145,58 @@ class StepCosts:
         """How many attention pairs cost as much as one token."""
         return self.token_seconds / self.pair_seconds if self.pair_seconds else math.inf
 
-    def link_seconds(self, intra_bytes: float, inter_bytes: float) -> float:
+    def seconds(self, tokens: Any, pairs: Any, pieces: Any = 1, carried: Any = 0) -> Any:
+        """Modeled seconds of `tokens` tokens, `pairs` attention pairs, `pieces` document pieces and `carried`
+        tokens of pieces that continue a document (Note [The step's cost model]); numbers or numpy arrays."""
+        return (self.token_seconds * tokens + self.pair_seconds * pairs + self.carry_seconds * carried
+                + self.piece_seconds * pieces)
+
+    def document_seconds(self, lengths: "np.ndarray", window: Optional[int] = None,
+                         real: Optional["np.ndarray"] = None) -> "np.ndarray":
+        """``[R]`` seconds of runs of `lengths` tokens kept whole on one rank: a document its tokens, its pairs
+        and one piece; a run of padding (`real` False; None: every run a document) its tokens only."""
+        import numpy as np
+
+        if real is None:
+            return self.seconds(lengths, pairs_before(lengths, window))
+        return self.seconds(lengths, np.where(real, pairs_before(lengths, window), 0.0), pieces=real)
+
+    def row_seconds(self, lengths: "np.ndarray", window: Optional[int] = None) -> float:
+        """A row's documents (`lengths`), each kept whole, together (seconds)."""
+        return float(self.seconds(lengths.sum(), pairs_before(lengths, window).sum(), pieces=lengths.size))
+
+    def span_pairs(self, lo: "np.ndarray", hi: "np.ndarray", window: Optional[int] = None) -> "np.ndarray":
+        """``[P]`` pairs charged for spans ``[lo, hi)`` of their documents' offsets, each a piece on its rank
+        (integer arrays): its causal square, and the rectangle of the keys before it at `rectangle_factor` when
+        it has at least `rectangle_min_queries` queries (Note [Kernel-aware work] in balanced.py); under a
+        `window`, exactly its pairs."""
+        import numpy as np
+
+        if window is not None:
+            return pairs_before(hi, window) - pairs_before(lo, window)
+        n = (hi - lo).astype(np.float64)
+        rate = np.where(n >= self.rectangle_min_queries, self.rectangle_factor, 1.0)
+        return n * (n + 1) / 2 + rate * n * lo
+
+    def span_seconds(self, lo: "np.ndarray", hi: "np.ndarray", window: Optional[int] = None) -> "np.ndarray":
+        """``[P]`` seconds of spans ``[lo, hi)`` of their documents, each a piece on its rank: tokens,
+        `span_pairs`, the piece, and the carry of a span that continues its document (``lo > 0``)."""
+        import numpy as np
+
+        n = (hi - lo).astype(np.float64)
+        return self.seconds(n, self.span_pairs(lo, hi, window), carried=n * (lo > 0))
+
+    def link_seconds(self, intra_bytes: Any, inter_bytes: Any) -> Any:
+        """Seconds to move `intra_bytes` inside a node and `inter_bytes` across nodes (numbers or arrays)."""
         return intra_bytes / (self.intra_gbps * 1e9) + inter_bytes / (self.inter_gbps * 1e9)
+
+    def exposed_seconds(self, intra_bytes: "np.ndarray", inter_bytes: "np.ndarray",
+                        hidden: "np.ndarray") -> "np.ndarray":
+        """Link seconds left over once a transfer hides behind `hidden` seconds of attention over the rank's own
+        keys (Note [The step's cost model])."""
+        import numpy as np
+
+        return np.maximum(self.link_seconds(intra_bytes, inter_bytes) - hidden, 0.0)
 
     def with_links(self, intra_gbps: Optional[float] = None, inter_gbps: Optional[float] = None) -> "StepCosts":
         return replace(self, intra_gbps=intra_gbps or self.intra_gbps, inter_gbps=inter_gbps or self.inter_gbps)
@@ -129,6 +209,15 @@ class StepCosts:
         rate = tflops * 1e12
         return StepCosts(token_seconds=per_token / rate, pair_seconds=per_pair / rate, carry_seconds=carry / rate,
                          kv_bytes_per_token=kv_bytes, intra_gbps=intra_gbps, inter_gbps=inter_gbps)
+
+    @staticmethod
+    def for_attention(*, head_dim: int, v_head_dim: Optional[int] = None, tflops: float = _DEFAULT_TFLOPS,
+                      intra_gbps: float = 400.0, inter_gbps: float = 50.0) -> "StepCosts":
+        """Costs of one attention layer's pairs, per head (``head_dim`` for queries and keys, ``v_head_dim`` for
+        values; None: `head_dim`), nothing per token: what `blockdiag-cp plan` predicts a layer with."""
+        widths = dict(head_dim=head_dim, v_head_dim=head_dim if v_head_dim is None else v_head_dim)
+        return StepCosts(token_seconds=0.0, pair_seconds=pair_flops(heads=1, **widths) / (tflops * 1e12),
+                         intra_gbps=intra_gbps, inter_gbps=inter_gbps)
 
     @staticmethod
     def from_config(config: Any, **overrides: Any) -> "StepCosts":

@@ -11,7 +11,7 @@ perfect balance inside each row and free links, the best any layout can do with 
 the gain measured against it is a lower bound. The *grouped* plan places the micro-batch's
 documents over all ``dp x cp`` ranks (Note [Grouped planner]); its step is its slowest rank's
 modeled seconds, links included. The *ideal* is the micro-batch's work divided by the ranks.
-Work follows `StepCosts` (Note [The step's cost model]).
+Work follows `StepCosts` (Note [The step's cost model]): a fixed row's is `StepCosts.row_seconds`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .grouped import Placement, pairs_before, place_runs
+from .grouped import Placement, place_runs
 from .options import PlanOptions
 from .step_costs import StepCosts
 
@@ -82,16 +82,10 @@ class Projection:
         return self.grouped.step_seconds / self.grouped.ideal
 
 
-def row_seconds(row: np.ndarray, costs: StepCosts, window: int | None = None) -> float:
-    """A row's work with every document whole (seconds)."""
-    return float(costs.token_seconds * row.sum() + costs.pair_seconds * pairs_before(row, window).sum()
-                 + costs.piece_seconds * row.size)
-
-
 def project(batch: list[np.ndarray], cp: int, options: PlanOptions) -> Projection:
     """Fixed rows against the grouped plan of one micro-batch (`batch`: each replica's row of lengths)."""
     costs = options.costs or StepCosts()
-    fixed = max(row_seconds(row, costs, options.window) for row in batch) / cp
+    fixed = max(costs.row_seconds(row, options.window) for row in batch) / cp
     lengths = np.concatenate(batch)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     t0 = time.perf_counter()

@@ -14,7 +14,9 @@ check is itself collective: each rank contributes ``[problem?, fingerprint...]``
 - if no rank has a problem but the fingerprints differ, every rank raises with the
   table of fingerprints.
 
-It runs once per step for the batch, and once per step for each distinct attention
+`gather_fingerprints` is the all-gather and the first two; `agree_across_ranks` adds the third.
+The whole-batch step (world.py) compares its own way: the config on every rank, the row
+within each replica. It runs once per step for the batch, and once per step for each distinct attention
 call signature (the first layer, and the first layer of any other shape), never per
 layer. ``CPConfig(check_ranks_agree=False)`` turns both off.
 """
@@ -42,6 +44,22 @@ def agree_across_ranks(
         what: what is compared, for the messages ("batch", "attention call").
         columns: names of the fingerprint's entries, for the disagreement table.
     """
+    rows = gather_fingerprints(group, device, fingerprint, problem, what)
+    if any(row != rows[0] for row in rows):
+        raise ValueError(
+            f"ranks of one CP group disagree on the {what}; every CP rank must pass the same. "
+            f"[invalid, {columns}] per rank: {rows}"
+        )
+
+
+def gather_fingerprints(
+    group: Any, device: torch.device, fingerprint: Sequence[int], problem: Optional[Exception], what: str,
+    ranks: str = "CP rank(s) {}",
+) -> list[list[int]]:
+    """Every rank's ``[invalid, *fingerprint]`` (one all-gather over `group`), after raising on every rank when
+    any rank has a `problem` (Note [Ranks agree]): the rank that has one raises it, the others a `ValueError`
+    naming them (`ranks`: how, ``{}`` the list). Comparing the rows is the caller's (`agree_across_ranks`: all
+    equal)."""
     mine = torch.tensor([int(problem is not None), *fingerprint], dtype=torch.long, device=device)
     world = dist.get_world_size(group)
     gathered = mine.new_empty(world * mine.numel())
@@ -51,9 +69,5 @@ def agree_across_ranks(
         raise problem
     rejected = [r for r, row in enumerate(rows) if row[0]]
     if rejected:
-        raise ValueError(f"CP rank(s) {rejected} rejected their {what} (see the error on those ranks)")
-    if any(row != rows[0] for row in rows):
-        raise ValueError(
-            f"ranks of one CP group disagree on the {what}; every CP rank must pass the same. "
-            f"[invalid, {columns}] per rank: {rows}"
-        )
+        raise ValueError(f"{ranks.format(rejected)} rejected their {what} (see the error on those ranks)")
+    return rows

@@ -136,7 +136,8 @@ def step_head_groups(doc_ids_S: torch.Tensor, world: int, rank: int, group: Any,
         return head_groups(group, world, rank, config.ulysses_degree)
     # every candidate's groups first, whatever this row picks: the same groups on every dp replica
     make_head_groups(group, world, rank, candidate_degrees(world, config.attention_heads[0]))
-    choice = choose_ulysses_degree(doc_ids_S, world, config)
+    choice = choose_ulysses_degree(doc_ids_S, world, config.attention_heads, layout=config.layout,
+                                   options=config.plan_options(), exchange=config.kv_exchange)
     return head_groups(group, world, rank, choice.degree, choice.reason)
 
 

@@ -44,6 +44,8 @@ from ..parallel.heads import SUBGROUPS
 from ..parallel.routes import PeerRows
 from ..plan import ShardPlan, make_plan
 from ..plan.grouped import place_runs, row_runs
+from ..plan.ranges import concat_ranges
+from .agree import gather_fingerprints
 from .batch import (SEQUENCE_KEYS, UNSHARDED_ROW_KEYS, TrainCtx, mesh_device, read_row, seq_dim_of, step_head_groups,
                     take_row_inputs, warn_unsharded)
 from .state import build_step_state
@@ -174,7 +176,7 @@ class GlobalRow:
             starts = np.concatenate([[0], np.cumsum(table[:, 0])[:-1]]).astype(np.int64)
             is_doc = table[:, 1] == 1
             lengths.append(table[is_doc, 0])
-            real.append(_ranges(starts[is_doc], table[is_doc, 0]))
+            real.append(concat_ranges(torch.from_numpy(starts[is_doc]), torch.from_numpy(table[is_doc, 0])).numpy())
         all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
         doc_ids = torch.repeat_interleave(torch.arange(1, all_lengths.size + 1), torch.from_numpy(all_lengths))
         first = np.concatenate([[0], np.cumsum([r.size for r in real])]).astype(np.int64)
@@ -207,14 +209,8 @@ def _replica_runs(doc_ids_1S: Optional[torch.Tensor], view: WorldView, config: C
         _, lengths, real = row_runs(doc_ids_1S[0])
         table = np.stack([lengths, real.astype(np.int64)], 1)
     crc = lambda a: zlib.crc32(np.ascontiguousarray(a).tobytes())  # noqa: E731
-    header = torch.tensor([int(problem is not None), table.shape[0], crc(table), zlib.crc32(repr(config).encode())],
-                          dtype=torch.long, device=device)
-    headers = _all_gather(header, view).tolist()
-    if problem is not None:
-        raise problem
-    rejected = [r for r, h in enumerate(headers) if h[0]]
-    if rejected:
-        raise ValueError(f"rank(s) {rejected} of the mesh rejected their batch (see the error on those ranks)")
+    header = [table.shape[0], crc(table), zlib.crc32(repr(config).encode())]
+    headers = gather_fingerprints(view.group, device, header, problem, "batch", ranks="rank(s) {} of the mesh")
     _check_agreement(headers, view)
     most = max(h[1] for h in headers)
     mine = torch.zeros(most, 2, dtype=torch.long, device=device)
@@ -340,11 +336,3 @@ class _TokenRoute:
             return shard
         fill = value
         return shard.index_fill(dim, self.padding_local.to(shard.device), fill)
-
-
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenated ``arange(start, start + length)``."""
-    if starts.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    first = np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return np.repeat(starts, lengths) + np.arange(int(lengths.sum())) - first

@@ -81,7 +81,7 @@ def table(args: argparse.Namespace, costs: list[tuple[Scheme, SchemeCost]]) -> l
     lines = ["| scheme | MB/rank intra-node | MB/rank inter-node | work max/mean | predicted ms/layer |",
              "|---|---|---|---|---|"]
     for scheme, cost in costs:
-        seconds = cost.seconds(args.intra_gbps, args.inter_gbps, args.head_dim, args.tflops, v_head_dim(args))
+        seconds = cost.seconds(layer_costs(args))
         intra = float((cost.ulysses_intra + cost.kv_intra).max()) / 1e6
         inter = float((cost.ulysses_inter + cost.kv_inter).max()) / 1e6
         work = cost.work
@@ -98,8 +98,8 @@ def auto_choice(costs: list[tuple[Scheme, SchemeCost]], args: argparse.Namespace
     candidates = [(s, c) for s, c in costs if s.exchange == args.exchange]
     degree = pick_degree([c for _, c in candidates]).degree
     by_bytes = next(s for s, c in candidates if s.degree == degree)
-    by_time = min(costs, key=lambda sc: float(sc[1].seconds(args.intra_gbps, args.inter_gbps, args.head_dim,
-                                                             args.tflops, v_head_dim(args)).max()))
+    per_layer = layer_costs(args)
+    by_time = min(costs, key=lambda sc: float(sc[1].seconds(per_layer).max()))
     return by_bytes.name, by_time[0].name
 
 
@@ -117,6 +117,15 @@ def run_plan(args: argparse.Namespace) -> int:
     print(f"\nulysses_degree='auto' (fewest bytes on the busiest rank): {bytes_pick}; "
           f"fastest predicted: {time_pick}. Planned in {seconds:.1f} s.")
     return 0
+
+
+def layer_costs(args: argparse.Namespace):
+    """The `StepCosts` a layer's predicted time is costed with: a pair of one head at ``--head-dim`` /
+    ``--v-head-dim`` and ``--tflops``, links at ``--intra-gbps`` / ``--inter-gbps``."""
+    from ..plan.step_costs import StepCosts
+
+    return StepCosts.for_attention(head_dim=args.head_dim, v_head_dim=v_head_dim(args), tflops=args.tflops,
+                                   intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps)
 
 
 def v_head_dim(args: argparse.Namespace) -> int:
