@@ -130,14 +130,14 @@ def read_row(batch: dict[str, Any], seq_dims, config: CPConfig, world: int):
 
 
 def step_head_groups(doc_ids_S: torch.Tensor, world: int, rank: int, group: Any, config: CPConfig) -> HeadGroups:
-    """This rank's head-parallel groups for the step: ``config.ulysses_degree``, or under ``"auto"``
+    """This rank's head-parallel groups for the step: ``config.heads.ulysses_degree``, or under ``"auto"``
     the degree of the fewest bytes per rank (`cost.choose_ulysses_degree`), its groups made once."""
-    if config.ulysses_degree != "auto":
-        return head_groups(group, world, rank, config.ulysses_degree)
+    if config.heads.ulysses_degree != "auto":
+        return head_groups(group, world, rank, config.heads.ulysses_degree)
     # every candidate's groups first, whatever this row picks: the same groups on every dp replica
-    make_head_groups(group, world, rank, candidate_degrees(world, config.attention_heads[0]))
-    choice = choose_ulysses_degree(doc_ids_S, world, config.attention_heads, layout=config.layout,
-                                   options=config.plan_options(), exchange=config.kv_exchange)
+    make_head_groups(group, world, rank, candidate_degrees(world, config.heads.attention_heads[0]))
+    choice = choose_ulysses_degree(doc_ids_S, world, config.heads.attention_heads, layout=config.layout,
+                                   options=config.plan, exchange=config.kv_exchange)
     return head_groups(group, world, rank, choice.degree, choice.reason)
 
 

@@ -240,7 +240,7 @@ def _all_gather(x: torch.Tensor, view: WorldView) -> torch.Tensor:
 
 def _plan(row: GlobalRow, world: int, config: CPConfig) -> ShardPlan:
     """The global row's plan (the same on every rank): from lengths for the grouped layout."""
-    options = config.plan_options()
+    options = config.plan
     if config.layout != "grouped":
         return make_plan(row.doc_ids, world, config.layout, options)
     starts = np.concatenate([[0], np.cumsum(row.lengths)[:-1]]).astype(np.int64)
