@@ -77,7 +77,7 @@ from .hf.options import refuse_unverified_options
 from .hf.replica import first_cp_rank_rows, gather_over_replicas, share_from_cp_rank0
 from .hf.trainer_kinds import TrainerStrategy, strategy_for
 from .mixers import prepare_model
-from .step.batch import check_seq_dims
+from .step.inputs import check_seq_dims
 
 logger = logging.getLogger(__name__)
 

@@ -123,7 +123,7 @@ def test_bad_degrees_are_clear_errors_on_every_rank(rank_pools):
 ])
 def test_bad_settings_name_the_constraint(kwargs, error, match):
     with pytest.raises(error, match=match):
-        CPConfig(**kwargs)
+        HeadsConfig(**kwargs)
 
 
 # ---------------------------------------------------------------------------
@@ -387,4 +387,4 @@ def test_a_failure_that_strands_the_other_ranks_is_reported_within_the_grace():
 ])
 def test_head_counts_are_checked_where_they_enter(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        CPConfig(**kwargs)
+        HeadsConfig(**kwargs)
