@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from blockdiag_cp import CPConfig
+from blockdiag_cp import CPConfig, HeadsConfig
 from blockdiag_cp.plan.cost import candidate_degrees, pick_degree, scheme_cost
 from blockdiag_cp.plan import StepCosts, make_plan
 from blockdiag_cp.testing import doc_ids_from_lengths, spawn
@@ -49,7 +49,7 @@ def worker(rank, world, segments, repeats=3):
     x = torch.randn(1, S, (H + 2 * HK) * D, generator=torch.Generator().manual_seed(0))
     out = {}
     for degree in DEGREES:
-        config = CPConfig(layout="balanced", ulysses_degree=degree, attention_heads=(H, HK))
+        config = CPConfig(layout="balanced", heads=HeadsConfig(ulysses_degree=degree, attention_heads=(H, HK)))
         times, sent = [], []
         for i in range(repeats + 1):
             ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh, None, {"inputs_embeds": x, "_packed_seq_ids": ids},

@@ -149,7 +149,7 @@ def carry_worker(rank: int, world: int, kind: str) -> float:
 def worker(rank: int, world: int, kind: str, costs, steps: int):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from blockdiag_cp import CPConfig, make_cp_blockdiag_batch_and_ctx, make_cp_world_batch_and_ctx
+    from blockdiag_cp import CPConfig, PlanOptions, make_cp_blockdiag_batch_and_ctx, make_cp_world_batch_and_ctx
     from blockdiag_cp.parallel import keep_cpu_heap
     from blockdiag_cp.tools.bench import bytes_written
 
@@ -162,7 +162,7 @@ def worker(rank: int, world: int, kind: str, costs, steps: int):
         "fixed rows (dp 2 x cp 2, balanced)": lambda b: make_cp_blockdiag_batch_and_ctx(
             mesh["cp"], None, b, config=CPConfig(layout="balanced")),
         "grouped over the 4 ranks": lambda b: make_cp_world_batch_and_ctx(
-            mesh, b, config=CPConfig(layout="grouped", step_costs=costs)),
+            mesh, b, config=CPConfig(layout="grouped", plan=PlanOptions(costs=costs))),
     }
     out = {}
     for name, make in plans.items():

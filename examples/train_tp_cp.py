@@ -24,7 +24,7 @@ from launch import finish, one_line_errors, start_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import blockdiag_cp.hf  # noqa: F401  registers attn_implementation="blockdiag_cp"
-from blockdiag_cp import CPConfig, make_cp_blockdiag_batch_and_ctx
+from blockdiag_cp import CPConfig, HeadsConfig, make_cp_blockdiag_batch_and_ctx
 from blockdiag_cp.loss import add_shift_labels, token_mean_loss
 from blockdiag_cp.parallel import reduce_gradients
 from blockdiag_cp.tools.demo import make_model, pack_rows, stdlib_documents, train_unsharded
@@ -80,7 +80,7 @@ def train(args: argparse.Namespace, mesh, device: torch.device, dtype: torch.dty
     tensor_parallel(model, mesh["tp"])
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     rows = replica_rows(mesh.get_local_rank("dp"), args.steps, args.seq_len)
-    config = CPConfig(layout=args.layout, ulysses_degree=args.ulysses_degree)
+    config = CPConfig(layout=args.layout, heads=HeadsConfig(ulysses_degree=args.ulysses_degree))
     losses = []
     for step, row in enumerate(rows):
         batch = add_shift_labels({"input_ids": row.input_ids.to(device), "position_ids": row.position_ids.to(device)})

@@ -124,10 +124,10 @@ def build_trainer(args: argparse.Namespace, output_dir: str):
     if args.cp == 0:
         common["model"].set_attn_implementation("sdpa")
         return transformers.Trainer(args=training_arguments(args, output_dir, replicas=args.dp), **common)
-    from blockdiag_cp import CPConfig
+    from blockdiag_cp import CPConfig, HeadsConfig
     from blockdiag_cp.trainer import BlockDiagCPTrainer
 
-    config = None if args.whole_batch else CPConfig(layout=args.layout, ulysses_degree=args.ulysses_degree)
+    config = None if args.whole_batch else CPConfig(layout=args.layout, heads=HeadsConfig(ulysses_degree=args.ulysses_degree))
     return BlockDiagCPTrainer(args=training_arguments(args, output_dir), cp_size=args.cp, whole_batch=args.whole_batch,
                               cp_config=config, **common)  # whole batches: the grouped layout, the model's costs
 

@@ -50,8 +50,8 @@ import typing as _typing
 
 if _typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time each name is imported on first use
     from .attention import cp_blockdiag_sdpa
-    from .config import CPConfig
-    from .plan import ShardPlan, StepCosts, plan_shards
+    from .config import CPConfig, HeadsConfig
+    from .plan import PlanOptions, ShardPlan, StepCosts, plan_shards
     from .step.batch import make_cp_batch_and_ctx, make_cp_blockdiag_batch_and_ctx
     from .step.doc_ids import _cp_blockdiag_doc_ids, resolve_doc_ids
     from .step.gather import gather_sequence
@@ -59,10 +59,12 @@ if _typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time each n
     from .step.state import StepState
     from .step.world import make_cp_world_batch_and_ctx
 
-__version__ = "0.10.0"
+__version__ = "0.11.0"
 
 __all__ = (
     "CPConfig",
+    "HeadsConfig",
+    "PlanOptions",
     "ShardPlan",
     "StepCosts",
     "StepState",
@@ -82,6 +84,8 @@ __all__ = (
 #: ``from blockdiag_cp import CPConfig`` imports that name's module on first use.
 _HOMES = _types.MappingProxyType({
     "CPConfig": ".config",
+    "HeadsConfig": ".config",
+    "PlanOptions": ".plan.options",
     "ShardPlan": ".plan",
     "StepCosts": ".plan.step_costs",
     "StepState": ".step.state",

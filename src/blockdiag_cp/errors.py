@@ -69,3 +69,12 @@ def check_choice(knob: str, value: object, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{knob}={value!r} is not supported; choose one of {', '.join(choices)}")
     return value
+
+
+def warn_moved(old: str, new: str, depth: int = 1) -> None:
+    """A `DeprecationWarning` for a knob spelled the old way (it keeps working until 0.12); `new` is its spelling.
+    `depth`: the frames between the library's entry and this call (the warning names the user's line)."""
+    import warnings
+
+    warnings.warn(f"{old} is deprecated and keeps working until blockdiag-cp 0.12: write {new}",
+                  DeprecationWarning, stacklevel=2 + depth)

@@ -70,13 +70,14 @@ import transformers
 
 from . import hf  # noqa: F401  (registers attn_implementation="blockdiag_cp")
 from .config import ENTRY_LAYOUT, CPConfig
+from .plan.options import PlanOptions
 from .errors import CPTypeError
 from .hf.model_checks import refuse_virtual_tokens
 from .hf.options import refuse_unverified_options
 from .hf.replica import first_cp_rank_rows, gather_over_replicas, share_from_cp_rank0
 from .hf.trainer_kinds import TrainerStrategy, strategy_for
 from .mixers import prepare_model
-from .step.batch import check_seq_dims
+from .step.inputs import check_seq_dims
 
 logger = logging.getLogger(__name__)
 
@@ -261,7 +262,7 @@ def _whole_batch_config(model) -> CPConfig:
     except (AttributeError, TypeError, ValueError) as exc:
         logger.info("blockdiag-cp: whole_batch plans with the default StepCosts (%s)", exc)
         costs = None
-    return CPConfig(layout="grouped", step_costs=costs)
+    return CPConfig(layout="grouped", plan=PlanOptions(costs=costs))
 
 
 def _refuse_uneven_replicas(even_batches: bool, drop_last: bool, dp: int) -> None:

@@ -99,7 +99,7 @@ def mla_meter_worker(rank, world, segments, runs):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from blockdiag_cp import CPConfig, cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+    from blockdiag_cp import CPConfig, HeadsConfig, cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     ids = doc_ids_from_lengths(segments).unsqueeze(0)
@@ -108,7 +108,7 @@ def mla_meter_worker(rank, world, segments, runs):
     for exchange, layout, degree in runs:
         x = torch.randn(1, ids.shape[1], (H + Hk) * Dk + Hk * Dv, generator=torch.Generator().manual_seed(0),
                         requires_grad=True)
-        config = CPConfig(kv_exchange=exchange, layout=layout, ulysses_degree=degree)
+        config = CPConfig(kv_exchange=exchange, layout=layout, heads=HeadsConfig(ulysses_degree=degree))
         train_ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh["cp"], None, {"inputs_embeds": x, "_packed_seq_ids": ids},
                                                            config=config)
         q, k, v = (t.reshape(1, t.shape[1], -1, d).transpose(1, 2) for t, d in

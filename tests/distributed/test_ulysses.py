@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from blockdiag_cp import CPConfig
+from blockdiag_cp import CPConfig, HeadsConfig
 from blockdiag_cp.testing import ParityCase, doc_ids_from_lengths, parity_worker, spawn
 from blockdiag_cp.tools.bench import bytes_written
 from scenarios import minimum_rows
@@ -92,11 +92,11 @@ def bad_degree_worker(rank, world):
     errors = []
     try:
         make_cp_blockdiag_batch_and_ctx(mesh["cp"], None, {"input_ids": ids, "_packed_seq_ids": ids},
-                                        config=CPConfig(ulysses_degree=3))
+                                        config=CPConfig(heads=HeadsConfig(ulysses_degree=3)))
     except ValueError as exc:
         errors.append(str(exc))
     ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh["cp"], None, {"input_ids": ids, "_packed_seq_ids": ids},
-                                                 config=CPConfig(ulysses_degree=4))
+                                                 config=CPConfig(heads=HeadsConfig(ulysses_degree=4)))
     q = torch.randn(1, 6, ctx.state.local_len, 8)
     with ctx():
         try:
@@ -123,7 +123,7 @@ def test_bad_degrees_are_clear_errors_on_every_rank(rank_pools):
 ])
 def test_bad_settings_name_the_constraint(kwargs, error, match):
     with pytest.raises(error, match=match):
-        CPConfig(**kwargs)
+        HeadsConfig(**kwargs)
 
 
 # ---------------------------------------------------------------------------
@@ -146,7 +146,7 @@ def meter_worker(rank, world, segments, runs):
     for degree, exchange, layout in runs:
         width = (HEADS + 2 * KV_HEADS) * D
         x = torch.randn(1, ids.shape[1], width, generator=torch.Generator().manual_seed(0), requires_grad=True)
-        config = CPConfig(kv_exchange=exchange, layout=layout, ulysses_degree=degree)
+        config = CPConfig(kv_exchange=exchange, layout=layout, heads=HeadsConfig(ulysses_degree=degree))
         ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh["cp"], None, {"inputs_embeds": x, "_packed_seq_ids": ids},
                                                      config=config)
         q, k, v = (t.reshape(1, t.shape[1], -1, D).transpose(1, 2)
@@ -228,7 +228,7 @@ def test_cost_model_predicts_every_exchanges_planned_bytes(exchange):
             for layout in ("contiguous", "balanced"):
                 cost = scheme_cost(make_plan(ids, world, layout), ids, degree, (12, 2), head_dim=D, element_size=4,
                                    exchange=exchange)
-                config = CPConfig(layout=layout, ulysses_degree=degree, kv_exchange=exchange)
+                config = CPConfig(layout=layout, heads=HeadsConfig(ulysses_degree=degree), kv_exchange=exchange)
                 for rank in range(world):
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")  # halo falling back to a2a says so
@@ -247,7 +247,7 @@ def test_cost_model_predicts_the_planned_bytes_exactly():
         ids = doc_ids_from_lengths(segments)
         for degree in (d for d in (1, 2, 3, 4, 6) if world % d == 0):
             for layout in ("contiguous", "balanced"):
-                config = CPConfig(layout=layout, ulysses_degree=degree)
+                config = CPConfig(layout=layout, heads=HeadsConfig(ulysses_degree=degree))
                 plan = make_plan(ids, world, layout)
                 cost = scheme_cost(plan, ids, degree, (12, 2), head_dim=D, element_size=4)
                 for rank in range(world):
@@ -278,7 +278,7 @@ def test_cost_model_counts_mla_keys_and_values_at_their_own_head_dims():
             cost = scheme_cost(plan, ids, degree, (12, 2), Dk, 4, exchange, v_head_dim=Dv)
             unit = scheme_cost(plan, ids, degree, (12, 2), exchange=exchange)  # what "auto" compares: Dk + Dv = 2
             assert torch.equal(cost.sent, unit.sent * (Dk + Dv) / 2 * 4)
-            config = CPConfig(layout=layout, ulysses_degree=degree, kv_exchange=exchange)
+            config = CPConfig(layout=layout, heads=HeadsConfig(ulysses_degree=degree), kv_exchange=exchange)
             for rank in range(world):
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
@@ -324,7 +324,7 @@ def auto_replicas_worker(rank, world):
     segments = (200, -40, 240) if replica == 0 else (6,) * 80
     ids = doc_ids_from_lengths(segments).unsqueeze(0)
     x = torch.randn(1, ids.shape[1], 3 * 8 * 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    config = CPConfig(ulysses_degree="auto", attention_heads=(8, 8), layout="balanced")
+    config = CPConfig(heads=HeadsConfig(ulysses_degree="auto", attention_heads=(8, 8)), layout="balanced")
     ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh["cp"], None, {"inputs_embeds": x, "_packed_seq_ids": ids},
                                                  config=config)
     q, k, v = (t.reshape(1, t.shape[1], 8, 4).transpose(1, 2) for t in batch["inputs_embeds"].split(32, -1))
@@ -387,4 +387,4 @@ def test_a_failure_that_strands_the_other_ranks_is_reported_within_the_grace():
 ])
 def test_head_counts_are_checked_where_they_enter(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        CPConfig(**kwargs)
+        HeadsConfig(**kwargs)

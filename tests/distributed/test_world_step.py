@@ -79,7 +79,7 @@ def bad_input_worker(rank, world, what):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from blockdiag_cp import CPConfig, make_cp_world_batch_and_ctx
+    from blockdiag_cp import CPConfig, PlanOptions, make_cp_world_batch_and_ctx
     from blockdiag_cp.testing import doc_ids_from_lengths
 
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "cp"))
@@ -90,7 +90,7 @@ def bad_input_worker(rank, world, what):
     batch = {"input_ids": torch.ones(1, ids.numel(), dtype=torch.long), "_packed_seq_ids": ids[None]}
     if what == "bad_batch" and rank == 2:
         batch["input_ids"] = torch.ones(2, ids.numel(), dtype=torch.long)
-    config = CPConfig(layout="grouped", token_cap=1.5 if (what == "config_disagrees" and rank == 3) else 1.25)
+    config = CPConfig(layout="grouped", plan=PlanOptions(token_cap=1.5 if (what == "config_disagrees" and rank == 3) else 1.25))
     try:
         make_cp_world_batch_and_ctx(mesh, batch, config=config)
     except ValueError as exc:

@@ -50,7 +50,7 @@ def cp_worker(rank, world, arch, checkpointing, layout, ulysses=1):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from blockdiag_cp import CPConfig, gather_sequence, make_cp_blockdiag_batch_and_ctx
+    from blockdiag_cp import CPConfig, HeadsConfig, gather_sequence, make_cp_blockdiag_batch_and_ctx
     from blockdiag_cp.loss import add_shift_labels
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
@@ -60,7 +60,7 @@ def cp_worker(rank, world, arch, checkpointing, layout, ulysses=1):
         model.train()
     ids, pos = packed_row()
     batch = add_shift_labels({"input_ids": ids, "position_ids": pos, "labels": ids.clone()})
-    config = CPConfig(layout=layout, ulysses_degree=ulysses)
+    config = CPConfig(layout=layout, heads=HeadsConfig(ulysses_degree=ulysses))
     train_ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh["cp"], None, batch, config=config)
     n_global = sum(n - 1 for n in LENGTHS)
     with train_ctx():

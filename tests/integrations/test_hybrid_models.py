@@ -361,7 +361,7 @@ def grouped_bytes_worker(rank, world):
     """This rank's mixer bytes under the grouped layout (point-to-point routes) and the route's own counts."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from blockdiag_cp import CPConfig
+    from blockdiag_cp import CPConfig, PlanOptions
     from blockdiag_cp.mixers import MixerShape
     from blockdiag_cp.testing import doc_ids_from_lengths
     from blockdiag_cp.testing.world_parity import TINY_ROW_COSTS
@@ -370,7 +370,7 @@ def grouped_bytes_worker(rank, world):
     lengths = (90, 3, 2, 61, 5)
     batch = {"input_ids": torch.zeros(1, sum(lengths), dtype=torch.long),
              "_packed_seq_ids": doc_ids_from_lengths(lengths).unsqueeze(0)}
-    config = CPConfig(layout="grouped", step_costs=TINY_ROW_COSTS)
+    config = CPConfig(layout="grouped", plan=PlanOptions(costs=TINY_ROW_COSTS))
     ctx, _ = make_cp_blockdiag_batch_and_ctx(mesh, None, batch, config=config)
     state = ctx.state
     delta = MixerShape("gated_delta", conv_width=4, conv_channels=2 * 2 * 8 + 4 * 8, heads=4, key_heads=2,

@@ -73,7 +73,7 @@ def world_worker(rank, world, family, checkpointing, exchange="auto"):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from blockdiag_cp import CPConfig, gather_sequence, make_cp_world_batch_and_ctx
+    from blockdiag_cp import CPConfig, PlanOptions, gather_sequence, make_cp_world_batch_and_ctx
     from blockdiag_cp.loss import add_shift_labels
 
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "cp"))
@@ -83,7 +83,7 @@ def world_worker(rank, world, family, checkpointing, exchange="auto"):
         model.train()
     ids, positions, doc = replica_row(mesh.get_local_rank("dp"))
     batch = add_shift_labels({"input_ids": ids, "position_ids": positions, "_packed_seq_ids": doc})
-    config = CPConfig(layout="grouped", kv_exchange=exchange, step_costs=TINY_ROW_COSTS)
+    config = CPConfig(layout="grouped", kv_exchange=exchange, plan=PlanOptions(costs=TINY_ROW_COSTS))
     ctx, batch = make_cp_world_batch_and_ctx(mesh, batch, config=config)
     count = sum(d.shape[1] - 1 for d in documents())
     with ctx() as state:

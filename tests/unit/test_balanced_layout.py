@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from blockdiag_cp.plan.balanced import plan_balanced
 from blockdiag_cp.plan.balanced import BALANCE_TOLERANCE, RECTANGLE_MIN_QUERIES, RECTANGLE_PAIR_COST, kernel_work
 from blockdiag_cp.plan.geometry import StepGeometry
-from blockdiag_cp.plan import attention_work, plan_shards
+from blockdiag_cp.plan import PlanOptions, attention_work, plan_shards
 from blockdiag_cp.testing import doc_ids_from_lengths
 
 
@@ -125,13 +125,13 @@ def test_windowed_work_is_linear_and_balanced():
     """With a window the balanced planner equalises windowed work (a document's work grows linearly)."""
     ids = doc_ids_from_lengths((4000, 300, 200, 120, 60, 3000, 20))
     for world in (2, 4):
-        windowed = plan_shards(ids, world, "balanced", window=128)
+        windowed = plan_shards(ids, world, "balanced", options=PlanOptions(window=128))
         work = attention_work(windowed, ids, window=128)
         assert float(work.max()) / float(work.float().mean()) <= 1 + BALANCE_TOLERANCE, work
         total = attention_work(windowed, ids, window=128).sum()
         assert int(total) <= 128 * ids.numel()  # linear: at most w keys per query
     with pytest.raises(ValueError, match="window"):
-        plan_shards(ids, 2, "balanced", window=0)
+        plan_shards(ids, 2, "balanced", options=PlanOptions(window=0))
 
 
 @pytest.mark.parametrize("world, segments", [(3, (13, 12)), (4, (6, 18, 18)), (3, (11, 23, 10))])

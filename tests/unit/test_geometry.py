@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockdiag_cp.plan.geometry import StepGeometry
-from blockdiag_cp.plan import StepCosts, plan_shards
+from blockdiag_cp.plan import PlanOptions, StepCosts, plan_shards
 from blockdiag_cp.testing import doc_ids_from_lengths
 
 
@@ -48,7 +48,7 @@ GROUPED_COSTS = StepCosts(token_seconds=4.0, pair_seconds=1.0)
        window=st.one_of(st.none(), st.integers(1, 12)))
 def test_geometry_matches_brute_force(segs, world, layout, window):
     ids = doc_ids_from_lengths(segs)
-    plan = plan_shards(ids, world, layout, costs=GROUPED_COSTS if layout == "grouped" else None)
+    plan = plan_shards(ids, world, layout, options=PlanOptions(costs=GROUPED_COSTS if layout == "grouped" else None))
     geometry = StepGeometry.build(plan, ids)
     padded = geometry.doc_ids.tolist()
     owner = geometry.owner.tolist()

@@ -57,7 +57,7 @@ def pieces_of(plan, doc_ids):
 def test_every_position_once_ranks_ascending_and_none_empty():
     ids = doc_ids_from_lengths((37, 1, 90, 5, 61, -7, 3))
     for world in (1, 2, 3, 5, 8):
-        plan = plan_shards(ids, world, "grouped", costs=StepCosts(token_seconds=4.0, pair_seconds=1.0))
+        plan = plan_shards(ids, world, "grouped", options=PlanOptions(costs=StepCosts(token_seconds=4.0, pair_seconds=1.0)))
         assert plan.layout == "grouped" and plan.world == world and min(plan.local_lens) >= 1
         assert torch.equal(plan.positions.sort().values, torch.arange(plan.padded_len))
         for r in range(world):
@@ -71,7 +71,7 @@ def test_a_realistic_batch_short_documents_whole_groups_in_a_node_tokens_capped(
     lengths = lognormal_rows(8)  # dp 8 rows of 32k tokens, over dp 8 x cp 4
     world, rpn = 32, 4
     ids = doc_ids_from_lengths(tuple(lengths.tolist()))
-    plan = plan_shards(ids, world, "grouped", ranks_per_node=rpn)
+    plan = plan_shards(ids, world, "grouped", options=PlanOptions(ranks_per_node=rpn))
     work = COSTS.token_seconds * lengths + COSTS.pair_seconds * lengths * (lengths + 1) / 2
     tau = work.sum() / world
     ranks_of = {}
@@ -202,7 +202,7 @@ def test_group_members_hold_equal_kernel_work():
 def test_a_window_cuts_contiguous_chunks_of_equal_work():
     ids = doc_ids_from_lengths((6000, 50))
     costs = StepCosts(token_seconds=16.0, pair_seconds=1.0)
-    plan = plan_shards(ids, 3, "grouped", window=256, costs=costs)
+    plan = plan_shards(ids, 3, "grouped", options=PlanOptions(window=256, costs=costs))
     pieces = pieces_of(plan, ids)
     long_doc = [p for rank in pieces for p in rank if p[0] == 1]
     assert len(long_doc) == 3  # one contiguous piece per member
@@ -223,7 +223,7 @@ def test_deterministic_and_the_row_level_entry_equals_the_lengths_entry():
 
 def test_padding_runs_are_placed_as_tokens_and_a_token_cap_of_one_is_equal_shards_where_it_can_be():
     ids = doc_ids_from_lengths((300, -120, 80, 80, -40, 220))
-    plan = plan_shards(ids, 4, "grouped", token_cap=1.0)
+    plan = plan_shards(ids, 4, "grouped", options=PlanOptions(token_cap=1.0))
     assert plan.padded_len == ids.numel() and max(plan.local_lens) <= ids.numel() // 4 + 1
 
 
@@ -244,7 +244,7 @@ def test_padding_runs_go_to_the_least_busy_ranks_where_the_cap_leaves_room(segme
     ("costs", "fast", "StepCosts"), ("window", 0, "window")])
 def test_bad_knobs_are_value_errors(knob, value, message):
     with pytest.raises(ValueError, match=message):
-        plan_shards(doc_ids_from_lengths((5, 5)), 2, "grouped", **{knob: value})
+        plan_shards(doc_ids_from_lengths((5, 5)), 2, "grouped", options=PlanOptions(**{knob: value}))
 
 
 def test_step_costs_from_a_config_and_bad_numbers():

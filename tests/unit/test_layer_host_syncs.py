@@ -10,7 +10,7 @@ first layer's. tests/gpu/test_cuda_kernels.py runs the same on CUDA under
 import pytest
 import torch
 
-from blockdiag_cp import CPConfig, cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+from blockdiag_cp import CPConfig, HeadsConfig, cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 from blockdiag_cp.testing import count_host_syncs, doc_ids_from_lengths
 
 SEGMENTS = (9, 3, -2, 17, 1, 6, 5, -3, 11)
@@ -32,7 +32,7 @@ def run_layers(mesh, exchange, kernel, layout, ulysses=1):
     ids = doc_ids_from_lengths(SEGMENTS).unsqueeze(0)
     xs = [x.requires_grad_(True) for x in layer_inputs(ids.shape[1], LAYERS)]
     batch = {"inputs_embeds": torch.cat(xs, dim=-1), "_packed_seq_ids": ids}
-    config = CPConfig(kv_exchange=exchange, kernel=kernel, layout=layout, ulysses_degree=ulysses)
+    config = CPConfig(kv_exchange=exchange, kernel=kernel, layout=layout, heads=HeadsConfig(ulysses_degree=ulysses))
     train_ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh, None, batch, config=config)
     layers = batch["inputs_embeds"].split(xs[0].shape[-1], dim=-1)
     with train_ctx() as state:

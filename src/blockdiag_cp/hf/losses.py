@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..loss import IGNORE_INDEX
-from ..step.batch import TrainCtx
+from ..step.pipeline import TrainCtx
 from ..step.gather import gather_sequence
 
 

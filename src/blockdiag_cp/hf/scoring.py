@@ -40,7 +40,8 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ..config import CPConfig
-from ..step.batch import TrainCtx, make_cp_blockdiag_batch_and_ctx
+from ..step.batch import make_cp_blockdiag_batch_and_ctx
+from ..step.pipeline import TrainCtx
 from ..step.gather import gather_sequence
 from ..step.rows import flatten_rows
 

@@ -38,7 +38,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..step.batch import TrainCtx, make_cp_blockdiag_batch_and_ctx
+from ..step.batch import make_cp_blockdiag_batch_and_ctx
+from ..step.pipeline import TrainCtx
 from ..config import ENTRY_LAYOUT, CPConfig
 from ..step.doc_ids import resolve_doc_ids
 from ..parallel.collectives import AllGatherRows

@@ -163,7 +163,7 @@ def choose_ulysses_degree(doc_ids_S: torch.Tensor, world: int, heads: tuple[int,
                           options: Optional[PlanOptions] = None, exchange: str = "auto") -> DegreeChoice:
     """``ulysses_degree="auto"``: the degree whose busiest rank sends the fewest bytes (Note [Scheme costs]), for
     `heads` ``(query heads, K/V heads)`` and the row planned with `layout` and `options` (a `CPConfig`'s
-    ``attention_heads``, ``layout``, ``plan_options()`` and ``kv_exchange``)."""
+    ``attention_heads``, ``layout``, ``plan`` and ``kv_exchange``)."""
     plan = make_plan(doc_ids_S.cpu(), world, layout, options)
     return pick_degree([scheme_cost(plan, doc_ids_S, u, heads, exchange=exchange)
                         for u in candidate_degrees(world, heads[0])])

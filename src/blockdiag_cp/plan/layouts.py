@@ -12,21 +12,21 @@ registered in `blockdiag_cp.registry.LAYOUTS`:
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import fields
+from typing import Any, Optional
 
 import torch
 
-from ..errors import CPTypeError, check_choice
+from ..errors import CPTypeError, check_choice, warn_moved
 from ..registry import LAYOUTS
 from .runs import validate_doc_ids
-from .options import DEFAULT_TOKEN_CAP, PlanOptions
+from .options import PlanOptions
 from .shard_plan import ShardPlan
-from .step_costs import StepCosts
 
 
 def plan_shards(
-    doc_ids: torch.Tensor, world: int, layout: str = "contiguous", window: Optional[int] = None, *,
-    ranks_per_node: Optional[int] = None, token_cap: float = DEFAULT_TOKEN_CAP, costs: Optional[StepCosts] = None,
+    doc_ids: torch.Tensor, world: int, layout: str = "contiguous", *, options: Optional[PlanOptions] = None,
+    **moved: Any,
 ) -> ShardPlan:
     """Assign the padded row's positions to `world` ranks.
 
@@ -34,16 +34,18 @@ def plan_shards(
         doc_ids: ``[1, S]`` or ``[S]`` integer document ids, 0 = padding.
         world: number of CP ranks (>= 1).
         layout: ``"contiguous"``, ``"balanced"`` or ``"grouped"``.
-        window: the balanced and grouped layouts' work model counts a sliding window of
-            this size (every layer windowed); None: full causal attention.
-        ranks_per_node, token_cap, costs: the grouped layout's knobs (`PlanOptions`):
-            ranks ``r // ranks_per_node`` share a node (None: one node), a rank's tokens at
-            most `token_cap` times the mean, the step's cost model (None: `StepCosts()`).
+        options: the layout's knobs (`PlanOptions`, the same that ``CPConfig(plan=...)`` takes): the work model's
+            sliding window (balanced, grouped; None: full causal attention), and the grouped layout's
+            ``ranks_per_node`` (None: one node), ``token_cap`` (a rank's tokens at most this times the mean)
+            and ``costs`` (the step's cost model; None: `StepCosts()`). None: ``PlanOptions()``.
+        moved: the keywords of 0.10 (``window``, ``ranks_per_node``, ``token_cap``, ``costs``): deprecated, they
+            keep working until 0.12 (Note [One spelling per knob] in config.py).
 
     Returns:
         The `ShardPlan`; `make_cp_blockdiag_batch_and_ctx` with the same layout
         produces exactly ``plan.rank_positions(rank)`` on each rank.
     """
+    options = _options_with_moved(options, moved)
     check_choice("layout", layout, LAYOUTS.choices)
     if isinstance(world, bool) or not isinstance(world, int):
         raise CPTypeError(f"world must be a positive int, got {type(world).__name__}")
@@ -58,9 +60,23 @@ def plan_shards(
         raise ValueError(f"doc_ids must hold one packed row, got batch size {ids_1S.shape[0]}")
     if ids_1S.shape[1] == 0:
         raise ValueError("doc_ids is empty: the sequence must hold at least one token")
-    options = PlanOptions(ranks_per_node=ranks_per_node, token_cap=token_cap, costs=costs, window=window)
     ids_S = validate_doc_ids(ids_1S, ids_1S.shape[1], 1).reshape(-1).cpu()
     return make_plan(ids_S, world, layout, options)
+
+
+def _options_with_moved(options: Optional[PlanOptions], moved: dict[str, Any]) -> PlanOptions:
+    """`options`, or one made from the deprecated keywords of 0.10 (each warns, naming ``options=``)."""
+    if options is not None and not isinstance(options, PlanOptions):
+        raise CPTypeError(f"options must be a PlanOptions, got {type(options).__name__}")
+    unknown = sorted(set(moved) - {f.name for f in fields(PlanOptions)})
+    if unknown:
+        raise TypeError(f"plan_shards got unexpected keyword argument(s) {', '.join(unknown)}")
+    if moved and options is not None:
+        raise ValueError(f"plan_shards got both options= and the deprecated {', '.join(sorted(moved))}=: put them in "
+                         "options")
+    for name in moved:
+        warn_moved(f"plan_shards({name}=...)", f"plan_shards(..., options=PlanOptions({name}=...))", 2)
+    return PlanOptions(**moved) if options is None else options
 
 
 def make_plan(doc_ids_S: torch.Tensor, world: int, layout: str, options: Optional[PlanOptions] = None) -> ShardPlan:

@@ -14,7 +14,7 @@ DEFAULT_TOKEN_CAP = 1.25
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """What a layout plans with besides the row and the world (`CPConfig.plan_options` makes it).
+    """What a layout plans with besides the row and the world (``CPConfig(plan=...)`` holds it, ``plan_shards(..., options=...)`` takes it).
 
     Attributes:
         ranks_per_node: (grouped) ranks ``r // ranks_per_node`` share a node (fast links); None: one node.

@@ -1,7 +1,9 @@
 """One CP step, from the batch to the frozen state the attention layers read.
 
-    batch.py     make_cp_blockdiag_batch_and_ctx: pad, shard, build the step (the entry)
-    world.py     make_cp_world_batch_and_ctx: every replica's row planned over all dp x cp ranks
+    pipeline.py  the one step pipeline both entries run: inputs, read, agree, plan, move, heads, state
+    inputs.py    the sequence-aligned batch keys, their checks and padding
+    batch.py     make_cp_blockdiag_batch_and_ctx: the row source of one replica's row (pad and slice)
+    world.py     make_cp_world_batch_and_ctx: the row source of every replica's row over all dp x cp ranks
     doc_ids.py   which document each position belongs to (0 = padding)
     rows.py      a collator's B rows as one packed row
     agree.py     every rank of the CP group holds the same row (one small collective)

@@ -1,52 +1,29 @@
-"""`make_cp_blockdiag_batch_and_ctx`: pad and shard a packed batch, build the step state.
+"""`make_cp_blockdiag_batch_and_ctx`: the seed's step of one packed row, padded and sharded over its CP group.
 
-Once per step: batch -> document ids -> (ranks agree) -> shard plan -> sharded tensors and
-a frozen `StepState`. ``train_ctx()`` activates that state so every
-`cp_blockdiag_sdpa` call of the step attends per document across ranks.
+The step runs the pipeline both entries share (Note [One step pipeline] in pipeline.py) with `ReplicaRow` as
+its row source: the row is this replica's batch, the ranks agree with one small collective, the move pads
+every sequence-aligned tensor to the plan's length and keeps this rank's positions.
+``train_ctx()`` activates the step's state so every `cp_blockdiag_sdpa` call of the step attends per
+document across ranks.
 """
 
 from __future__ import annotations
 
-import warnings
 import zlib
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any, Callable, ContextManager, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..config import CPConfig
-from ..plan.cost import candidate_degrees, choose_ulysses_degree
-from .doc_ids import resolve_doc_ids
 from ..errors import CPTypeError
-from ..parallel.heads import HeadGroups, head_groups, make_head_groups
-from .agree import agree_across_ranks
+from ..parallel.heads import HeadGroups
 from ..plan import ShardPlan
-from .rows import ROW_METADATA
-from .slot import STEP_SLOT
-from .state import StepState, build_step_state
-
-#: Sequence-aligned batch keys and the value their padding takes ("pad_token": the
-#: caller's ``padding_token_id``). Floating tensors pad with 0.
-SEQUENCE_KEYS: Mapping[str, Any] = MappingProxyType(
-    {
-        "inputs_embeds": 0,
-        "input_ids": "pad_token",
-        "labels": -100,
-        "shift_labels": -100,
-        "position_ids": 0,
-        "_packed_seq_ids": 0,
-        "loss_mask": 0,
-        "padding_mask": True,
-        "token_type_ids": 0,
-        "visual_pos_masks": False,
-    }
-)
-
-#: Keys that describe the unsharded row (flattening collators); consumed for the
-#: document ids, then dropped because they are wrong for a shard.
-UNSHARDED_ROW_KEYS = ROW_METADATA
+from .agree import agree_across_ranks
+from .inputs import SEQUENCE_KEYS, UNSHARDED_ROW_KEYS, pad_to, seq_dim_of
+from .pipeline import mesh_device, run_step, shard_agreed
+from .state import StepState
 
 
 def make_cp_blockdiag_batch_and_ctx(
@@ -97,63 +74,51 @@ def make_cp_blockdiag_batch_and_ctx(
         raise CPTypeError(f"config must be a CPConfig, got {type(config).__name__}")
     world, rank, group = _cp_group(cp_mesh)
     _check_tp_mesh(tp_mesh, cp_mesh)
-    take_row_inputs(batch, loss_mask)
-    seq_dims, S, doc_ids_1S, problem = read_row(batch, seq_dims, config, world)
-    if group is not None and config.check_ranks_agree:
-        _check_ranks_agree(doc_ids_1S, config, group, mesh_device(cp_mesh), problem)
-    if problem is not None:
-        raise problem
-    warn_unsharded(batch, S, seq_dims)
-    heads = step_head_groups(doc_ids_1S[0], world, rank, group, config)
-    state = shard_step(batch, doc_ids_1S, world, rank, group, config, padding_token_id, seq_dims, heads)
-    return TrainCtx(state), batch
-
-
-def take_row_inputs(batch: dict[str, Any], loss_mask: Optional[torch.Tensor]) -> None:
-    """The entry's inputs in the batch's form: `loss_mask` as ``batch["loss_mask"]``, ``_packed_seq_ids`` ``[1, S]``."""
-    if loss_mask is not None:
-        batch["loss_mask"] = loss_mask
-    packed = batch.get("_packed_seq_ids")
-    if isinstance(packed, torch.Tensor) and packed.dim() == 1:
-        batch["_packed_seq_ids"] = packed.unsqueeze(0)
-
-
-def read_row(batch: dict[str, Any], seq_dims, config: CPConfig, world: int):
-    """``(seq_dims, S, doc ids [1, S], problem)`` of this rank's batch; a bad batch is a `problem`
-    (raised after the ranks agree, so every rank fails alike), with None for what it lacks."""
-    try:
-        seq_dims = check_seq_dims(seq_dims)
-        _, S, device = _check_batch(batch, seq_dims)
-        return seq_dims, S, resolve_doc_ids(batch, S, device, 1), config.ulysses_problem(world)
-    except ValueError as exc:
-        return {}, 0, None, exc
-
-
-def step_head_groups(doc_ids_S: torch.Tensor, world: int, rank: int, group: Any, config: CPConfig) -> HeadGroups:
-    """This rank's head-parallel groups for the step: ``config.ulysses_degree``, or under ``"auto"``
-    the degree of the fewest bytes per rank (`cost.choose_ulysses_degree`), its groups made once."""
-    if config.ulysses_degree != "auto":
-        return head_groups(group, world, rank, config.ulysses_degree)
-    # every candidate's groups first, whatever this row picks: the same groups on every dp replica
-    make_head_groups(group, world, rank, candidate_degrees(world, config.attention_heads[0]))
-    choice = choose_ulysses_degree(doc_ids_S, world, config.attention_heads, layout=config.layout,
-                                   options=config.plan_options(), exchange=config.kv_exchange)
-    return head_groups(group, world, rank, choice.degree, choice.reason)
+    source = ReplicaRow(world, rank, group, mesh_device(cp_mesh) if cp_mesh is not None else None)
+    return run_step(source, batch, config, loss_mask, padding_token_id, seq_dims)
 
 
 @dataclass(frozen=True)
-class TrainCtx:
-    """``train_ctx()``: the context manager that makes this step the active one; ``.state`` is the step.
+class ReplicaRow:
+    """The row source of the seed's step (Note [One step pipeline]): this replica's packed row over its CP group.
 
-    ``replica_of_row``: under the whole-batch step (`make_cp_world_batch_and_ctx`), ``[L]`` the dp replica
-    each local row came from (-1: padding); None for a step of one row, whose rows are all its replica's.
+    Attributes:
+        world, rank, group: the CP group (``(1, 0, None)`` for one process); device: where its collective runs.
     """
 
-    state: StepState
-    replica_of_row: Optional[torch.Tensor] = None
+    world: int
+    rank: int
+    group: Any
+    device: Optional[torch.device] = None
 
-    def __call__(self) -> ContextManager[StepState]:
-        return STEP_SLOT.activate(self.state)
+    def agree(self, doc_ids_1S: Optional[torch.Tensor], config: CPConfig, problem: Optional[Exception]) -> "OwnRow":
+        """Every rank holds a valid batch, the same row and config (Note [Ranks agree]), unless turned off."""
+        if self.group is not None and config.check_ranks_agree:
+            _check_ranks_agree(doc_ids_1S, config, self.group, self.device, problem)
+        if problem is not None:
+            raise problem
+        return OwnRow(doc_ids_1S[0], self.rank)
+
+
+@dataclass(frozen=True)
+class OwnRow:
+    """The agreed row of the seed's step: the batch's own; the layout plans it; the move pads and slices."""
+
+    doc_ids: torch.Tensor
+    rank: int
+
+    def plan(self, config: CPConfig) -> Optional[ShardPlan]:
+        return None  # the state plans it with config.layout
+
+    def move(self, batch: dict[str, Any], plan: ShardPlan, padding_token_id: int, seq_dims: Mapping[str, int]) -> None:
+        """Drop the unsharded row's metadata, add ``padding_mask``, keep this rank's positions of every tensor."""
+        for key in UNSHARDED_ROW_KEYS:
+            batch.pop(key, None)
+        batch["padding_mask"] = (self.doc_ids == 0).unsqueeze(0)
+        _shard_batch(batch, plan, self.rank, padding_token_id, seq_dims)
+
+    def replica_of_row(self, plan: ShardPlan) -> None:
+        return None  # every row is this rank's replica's
 
 
 def shard_step(
@@ -162,20 +127,15 @@ def shard_step(
 ) -> StepState:
     """Plan the step and shard `batch` in place for `rank` of `world` (no collective).
 
-    The part of `make_cp_blockdiag_batch_and_ctx` after the batch was validated and
-    the ranks agreed: drop the unsharded-row keys, add ``position_ids`` (0..S-1 when
-    absent) and ``padding_mask``, build the `StepState`, shard every sequence-aligned
-    tensor. Also what the planning benchmark times for any rank of any world.
+    The seed step's pipeline after the batch was validated and the ranks agreed (`shard_agreed`):
+    add ``position_ids`` (0..S-1 when absent), build the `StepState`, drop the unsharded-row keys, add
+    ``padding_mask``, shard every sequence-aligned tensor. What the planning benchmark times for any
+    rank of any world.
     """
-    S = doc_ids_1S.shape[1]
-    for key in UNSHARDED_ROW_KEYS:
-        batch.pop(key, None)
     if batch.get("position_ids") is None:
-        batch["position_ids"] = torch.arange(S, device=doc_ids_1S.device).unsqueeze(0)
-    batch["padding_mask"] = doc_ids_1S == 0
-    state = build_step_state(doc_ids_1S[0], world, rank, group, config, doc_ids_1S.device, heads)
-    _shard_batch(batch, state.plan, rank, padding_token_id, seq_dims or {})
-    return state
+        batch["position_ids"] = torch.arange(doc_ids_1S.shape[1], device=doc_ids_1S.device).unsqueeze(0)
+    source = ReplicaRow(world, rank, group)
+    return shard_agreed(source, OwnRow(doc_ids_1S[0], rank), batch, config, heads, padding_token_id, seq_dims).state
 
 
 def make_cp_batch_and_ctx(cp_mesh, tp_mesh, batch: dict[str, Any], **kwargs):
@@ -235,83 +195,6 @@ def _check_tp_mesh(tp_mesh, cp_mesh) -> None:
         )
 
 
-def seq_dim_of(key: str, tensor: torch.Tensor) -> int:
-    return 2 if key == "position_ids" and tensor.dim() == 3 else 1
-
-
-def check_seq_dims(seq_dims: Optional[Mapping[str, int]]) -> dict[str, int]:
-    if seq_dims is None:
-        return {}
-    if not isinstance(seq_dims, Mapping) or not all(isinstance(k, str) for k in seq_dims):
-        raise CPTypeError(f"seq_dims must map batch keys to their sequence dimension, got {seq_dims!r}")
-    if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in seq_dims.values()):
-        raise ValueError(f"seq_dims must give non-negative int dimensions, got {dict(seq_dims)!r}")
-    return dict(seq_dims)
-
-
-def warn_unsharded(batch: Mapping[str, Any], S: int, seq_dims: Mapping[str, int]) -> None:
-    """Warn about tensors that look sequence-aligned but that no rule shards (they stay whole on every rank)."""
-    known = {*SEQUENCE_KEYS, *seq_dims, *UNSHARDED_ROW_KEYS}
-    for key, t in batch.items():
-        if key not in known and isinstance(t, torch.Tensor) and t.dim() >= 1 and S in t.shape:
-            warnings.warn(
-                f"blockdiag-cp: batch[{key!r}] {tuple(t.shape)} has a dimension of the sequence length {S} but is not "
-                f"sharded (every rank keeps it whole); if it is sequence-aligned, pass "
-                f"seq_dims={{{key!r}: {list(t.shape).index(S)}}}"
-            )
-
-
-def _check_batch(batch: Mapping[str, Any], seq_dims: Mapping[str, int] = MappingProxyType({})) -> tuple[str, int, torch.device]:
-    """Return ``(primary key, S, device)``; `ValueError` for a batch CP cannot shard."""
-    has_embeds, has_ids = batch.get("inputs_embeds") is not None, batch.get("input_ids") is not None
-    if has_embeds == has_ids:
-        raise ValueError("the batch must hold exactly one of 'inputs_embeds' [1, S, E] or 'input_ids' [1, S]")
-    key = "inputs_embeds" if has_embeds else "input_ids"
-    primary = batch[key]
-    shape = f"[B, S{', E' if has_embeds else ''}]"
-    if not isinstance(primary, torch.Tensor):
-        raise CPTypeError(f"batch[{key!r}] must be a tensor shaped {shape}, got {type(primary).__name__}")
-    if primary.dim() != (3 if has_embeds else 2):
-        raise ValueError(f"batch[{key!r}] must be a tensor shaped {shape}, got {tuple(primary.shape)}")
-    for name, t in batch.items():
-        if isinstance(t, torch.Tensor) and t.device.type == "meta":
-            raise ValueError(
-                f"batch[{name!r}] is on the meta device (shapes only, no values); CP needs the real tensor "
-                "(materialize the model or embeddings on cpu/cuda, e.g. model.to_empty(...) and load the "
-                "weights, before building the CP batch)"
-            )
-    B, S = primary.shape[:2]
-    if B != 1:
-        raise ValueError(
-            f"block-diagonal CP shards one packed sequence per rank: local batch size must be 1, got {B}. "
-            "Pack the samples into one row (set the local batch size to 1)."
-        )
-    if S == 0:
-        raise ValueError(f"batch[{key!r}] is empty: the sequence must hold at least one token")
-    for name in SEQUENCE_KEYS:
-        t = batch.get(name)
-        if isinstance(t, torch.Tensor):
-            dim = seq_dim_of(name, t)
-            batch_dim = 1 if dim == 2 else 0
-            if t.dim() <= dim or t.shape[dim] != S or t.shape[batch_dim] != 1:
-                raise ValueError(
-                    f"batch[{name!r}] {tuple(t.shape)} is not aligned with the sequence: expected "
-                    f"batch size 1 and length {S} on dim {dim}"
-                )
-    for name, dim in seq_dims.items():
-        t = batch.get(name)
-        if not isinstance(t, torch.Tensor) or t.dim() <= dim or t.shape[dim] != S:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"seq_dims[{name!r}] = {dim}: batch[{name!r}] {shape} has no length-{S} dimension {dim}")
-    return key, S, primary.device
-
-
-def mesh_device(cp_mesh) -> torch.device:
-    if cp_mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(cp_mesh.device_type)
-
-
 def _check_ranks_agree(
     doc_ids_1S: Optional[torch.Tensor], config: CPConfig, group, device: torch.device, problem: Optional[ValueError]
 ) -> None:
@@ -347,10 +230,3 @@ def _shard_batch(
             batch[key] = padded.index_select(dim, positions.to(t.device))
 
 
-def pad_to(t: torch.Tensor, dim: int, length: int, value) -> torch.Tensor:
-    missing = length - t.shape[dim]
-    if missing == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([t, torch.full(shape, value, dtype=t.dtype, device=t.device)], dim=dim)

@@ -172,14 +172,14 @@ def build_step_state(
     before this), so every rank reaches the same state without exchanging plans (on NCCL,
     one warm-up all-reduce runs when the step's first operation would be point-to-point).
     `heads`: this rank's head-parallel groups (`parallel.heads.head_groups`); None plans
-    ``config.ulysses_degree`` (an int) without process groups, as tools do. `plan`: the shard plan
+    ``config.heads.ulysses_degree`` (an int) without process groups, as tools do. `plan`: the shard plan
     when the caller made it already (the whole-batch step plans from lengths), else the layout's.
     """
     if plan is None:
-        plan = make_plan(doc_ids_S.cpu(), world, config.layout, config.plan_options())
+        plan = make_plan(doc_ids_S.cpu(), world, config.layout, config.plan)
     geometry = StepGeometry.build(plan, doc_ids_S)
-    if heads is None and isinstance(config.ulysses_degree, int) and config.ulysses_degree > 1:
-        heads = HeadGroups.place(rank, config.ulysses_degree)
+    if heads is None and isinstance(config.heads.ulysses_degree, int) and config.heads.ulysses_degree > 1:
+        heads = HeadGroups.place(rank, config.heads.ulysses_degree)
     head_parallel = HeadParallel.build(plan, doc_ids_S, heads, device) if heads and heads.degree > 1 else None
     kernel, kernel_reason = select_kernel(config.kernel, device, need_lse=config.kv_exchange == "ring")
     fallbacks = fallback_kernels(config.kernel, kernel, device)

@@ -46,9 +46,8 @@ from ..plan import ShardPlan, make_plan
 from ..plan.grouped import place_runs, row_runs
 from ..plan.ranges import concat_ranges
 from .agree import gather_fingerprints
-from .batch import (SEQUENCE_KEYS, UNSHARDED_ROW_KEYS, TrainCtx, mesh_device, read_row, seq_dim_of, step_head_groups,
-                    take_row_inputs, warn_unsharded)
-from .state import build_step_state
+from .inputs import SEQUENCE_KEYS, UNSHARDED_ROW_KEYS, seq_dim_of
+from .pipeline import mesh_device, run_step
 
 
 @dataclass(frozen=True)
@@ -127,8 +126,8 @@ def make_cp_world_batch_and_ctx(
             ``inputs_embeds``, document ids or flattening metadata, ``shift_labels`` added beforehand);
             the cp ranks of a replica pass the same row. Mutated in place into this rank's shard.
         loss_mask, padding_token_id, seq_dims: as for `make_cp_blockdiag_batch_and_ctx`.
-        config: `CPConfig`; default ``CPConfig(layout="grouped")`` (its ``ranks_per_node``, ``token_cap``
-            and ``step_costs`` shape the plan).
+        config: `CPConfig`; default ``CPConfig(layout="grouped")`` (its ``plan``: ``ranks_per_node``,
+            ``token_cap`` and ``costs`` shape the plan).
 
     Returns:
         ``(train_ctx, batch)``: ``batch`` holds this rank's ``L_r`` positions of the global row (ranks may
@@ -137,20 +136,60 @@ def make_cp_world_batch_and_ctx(
     config = CPConfig(layout="grouped") if config is None else config
     if not isinstance(config, CPConfig):
         raise CPTypeError(f"config must be a CPConfig, got {type(config).__name__}")
-    view = WorldView.of(mesh)
-    device = mesh_device(mesh)
-    take_row_inputs(batch, loss_mask)
-    seq_dims, S, doc_ids_1S, problem = read_row(batch, seq_dims, config, view.world)
-    runs = _replica_runs(doc_ids_1S, view, config, device, problem)
-    warn_unsharded(batch, S, seq_dims)
-    if batch.get("position_ids") is None:
-        batch["position_ids"] = torch.arange(S, device=doc_ids_1S.device).unsqueeze(0)
-    row = GlobalRow.of(runs, view)
-    plan = _plan(row, view.world, config)
-    _move_rows(batch, doc_ids_1S[0], row, plan, view, padding_token_id, seq_dims)
-    heads = step_head_groups(row.doc_ids, view.world, view.rank, view.group, config)
-    state = build_step_state(row.doc_ids.to(device), view.world, view.rank, view.group, config, device, heads, plan)
-    return TrainCtx(state, row.replica_of(plan.rank_positions(view.rank)).to(device)), batch
+    return run_step(GlobalRowSource(WorldView.of(mesh), mesh_device(mesh)), batch, config, loss_mask, padding_token_id,
+                    seq_dims)
+
+
+@dataclass(frozen=True)
+class GlobalRowSource:
+    """The row source of the whole-batch step (Note [One step pipeline] in pipeline.py): every replica's row,
+    gathered as run lengths over the mesh."""
+
+    view: "WorldView"
+    device: torch.device
+
+    @property
+    def world(self) -> int:
+        return self.view.world
+
+    @property
+    def rank(self) -> int:
+        return self.view.rank
+
+    @property
+    def group(self) -> Any:
+        return self.view.group
+
+    def agree(self, doc_ids_1S: Optional[torch.Tensor], config: CPConfig, problem: Optional[Exception]) -> "WholeBatch":
+        """Every replica's run lengths gathered; every rank raises alike when a rank rejected its batch, a
+        replica's ranks hold different rows, or the configs differ (Note [The whole-batch step], 1)."""
+        runs = _replica_runs(doc_ids_1S, self.view, config, self.device, problem)
+        row = GlobalRow.of(runs, self.view)
+        return WholeBatch(row, self.view, row.doc_ids.to(self.device), doc_ids_1S.device)
+
+
+@dataclass(frozen=True)
+class WholeBatch:
+    """The agreed global row (Note [The whole-batch step], 2-3): planned from lengths, moved point-to-point.
+
+    Attributes:
+        row: every replica's documents; view: this rank's place; doc_ids: ``[S]`` the global row's ids on the
+        step's device; batch_device: where the batch's tensors live.
+    """
+
+    row: "GlobalRow"
+    view: "WorldView"
+    doc_ids: torch.Tensor
+    batch_device: torch.device
+
+    def plan(self, config: CPConfig) -> ShardPlan:
+        return _plan(self.row, self.view.world, config)
+
+    def move(self, batch: dict[str, Any], plan: ShardPlan, padding_token_id: int, seq_dims: Mapping[str, int]) -> None:
+        _move_rows(batch, self.batch_device, self.row, plan, self.view, padding_token_id, seq_dims)
+
+    def replica_of_row(self, plan: ShardPlan) -> torch.Tensor:
+        return self.row.replica_of(plan.rank_positions(self.view.rank)).to(self.doc_ids.device)
 
 
 @dataclass(frozen=True)
@@ -240,14 +279,14 @@ def _all_gather(x: torch.Tensor, view: WorldView) -> torch.Tensor:
 
 def _plan(row: GlobalRow, world: int, config: CPConfig) -> ShardPlan:
     """The global row's plan (the same on every rank): from lengths for the grouped layout."""
-    options = config.plan_options()
+    options = config.plan
     if config.layout != "grouped":
         return make_plan(row.doc_ids, world, config.layout, options)
     starts = np.concatenate([[0], np.cumsum(row.lengths)[:-1]]).astype(np.int64)
     return place_runs(starts, row.lengths, np.ones(row.lengths.size, bool), world, options).shard_plan(row.seq_len)
 
 
-def _move_rows(batch: dict[str, Any], doc_ids_S: torch.Tensor, row: GlobalRow, plan: ShardPlan, view: WorldView,
+def _move_rows(batch: dict[str, Any], device: torch.device, row: GlobalRow, plan: ShardPlan, view: WorldView,
                padding_token_id: int, seq_dims: Mapping[str, int]) -> None:
     """Replace every sequence-aligned tensor of `batch` by this rank's rows of the global row (Note [...], 3)."""
     route = _TokenRoute.build(row, plan, view)
@@ -265,7 +304,7 @@ def _move_rows(batch: dict[str, Any], doc_ids_S: torch.Tensor, row: GlobalRow, p
     real = positions < row.seq_len
     ids = torch.zeros(positions.numel(), dtype=torch.long)
     ids[real] = row.doc_ids[positions[real]]
-    ids = ids.to(doc_ids_S.device)
+    ids = ids.to(device)
     batch["_packed_seq_ids"] = ids.unsqueeze(0)
     batch["padding_mask"] = (ids == 0).unsqueeze(0)
 

@@ -108,13 +108,13 @@ def reference_error(case: ParityCase) -> tuple[float, float]:
 
 def run_parity_case(case: ParityCase, cp_mesh) -> ParityResult:
     """Run `case` on this rank of `cp_mesh` (None: one process) and compare with the oracle."""
-    from .. import CPConfig, cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+    from .. import CPConfig, HeadsConfig, cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 
     x, grad, sinks = _case_tensors(case)
     x.requires_grad_(True)
     sinks = None if sinks is None else sinks.requires_grad_(True)
     config = CPConfig(kv_exchange=case.kv_exchange, kernel=case.kernel, layout=case.layout,
-                      ulysses_degree=case.ulysses_degree, attention_heads=(case.heads, case.kv_heads))
+                      heads=HeadsConfig(ulysses_degree=case.ulysses_degree, attention_heads=(case.heads, case.kv_heads)))
     batch = {"inputs_embeds": x, "_packed_seq_ids": case.doc_ids.unsqueeze(0).to(x.device)}
     train_ctx, batch = make_cp_blockdiag_batch_and_ctx(cp_mesh, None, batch, config=config)
     with train_ctx() as state:

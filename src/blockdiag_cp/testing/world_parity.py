@@ -92,7 +92,7 @@ def _oracle(case: WorldCase, replica: int):
 
 def run_world_case(case: WorldCase, mesh) -> WorldResult:
     """Run `case` on this rank of the ``(dp, cp)`` `mesh` and compare with the replicas' oracles."""
-    from .. import CPConfig, cp_blockdiag_sdpa, make_cp_world_batch_and_ctx
+    from .. import CPConfig, PlanOptions, cp_blockdiag_sdpa, make_cp_world_batch_and_ctx
     from ..step.world import WorldView
 
     view = WorldView.of(mesh)
@@ -101,8 +101,8 @@ def run_world_case(case: WorldCase, mesh) -> WorldResult:
     x.requires_grad_(True)
     sinks = _sinks(case)
     config = CPConfig(kv_exchange=case.kv_exchange, kernel=case.kernel, layout=case.layout,
-                      ranks_per_node=case.ranks_per_node, step_costs=case.costs,
-                      balance_window=case.window if case.layout == "grouped" else None)
+                      plan=PlanOptions(ranks_per_node=case.ranks_per_node, costs=case.costs,
+                                       window=case.window if case.layout == "grouped" else None))
     batch = {"inputs_embeds": x, "_packed_seq_ids": doc_ids_from_lengths(case.rows[d]).unsqueeze(0)}
     train_ctx, batch = make_cp_world_batch_and_ctx(mesh, batch, config=config)
     with train_ctx() as state:
