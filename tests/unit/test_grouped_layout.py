@@ -239,6 +239,18 @@ def test_padding_runs_go_to_the_least_busy_ranks_where_the_cap_leaves_room(segme
     assert int(placement.tokens.sum()) == int(lengths.sum())
 
 
+@pytest.mark.parametrize("token_cap", [1.0, 1.1, 1.25])
+def test_padding_respects_the_token_cap_where_the_least_busy_ranks_have_little_room(token_cap):
+    """A long document keeps some ranks busy with few tokens: padding, cheap in time, would pile onto the others
+    past the memory cap; the cap holds (every rank at most ceil(token_cap x the mean) positions)."""
+    costs = StepCosts(token_seconds=1.0, pair_seconds=1.0)
+    for segments in [(3000,) + (20,) * 50 + (-1500,), (4000, -800) + (10,) * 100 + (-700,),
+                     (2500,) + (30,) * 40 + (-900, 600, -600)]:
+        ids = doc_ids_from_lengths(segments)
+        plan = plan_shards(ids, 4, "grouped", options=PlanOptions(token_cap=token_cap, costs=costs))
+        assert max(plan.local_lens) <= math.ceil(token_cap * ids.numel() / 4), (segments, plan.local_lens)
+
+
 @pytest.mark.parametrize("knob, value, message", [
     ("token_cap", 0.9, "token_cap"), ("token_cap", float("inf"), "token_cap"), ("ranks_per_node", 0, "ranks_per_node"),
     ("costs", "fast", "StepCosts"), ("window", 0, "window")])

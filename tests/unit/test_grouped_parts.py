@@ -155,6 +155,6 @@ def test_padding_fills_where_the_levels_dwarf_a_token():
     assert water_fill(level, np.array([14, 0, 13, 2, 3]), 19).tolist() == [1, 0, 13, 2, 3]
     lengths = (99, 5334, 4236, 698, 239, 1743, 3980, 400, 77, 3473, 52, 20, 247, -9, 81, 174, 405, -10, 1012, 1129)
     ids = doc_ids_from_lengths(lengths)
-    plan = plan_shards(ids, 5, "grouped", ranks_per_node=2, token_cap=1.0,
-                       costs=StepCosts(token_seconds=1e-12, pair_seconds=1.0))
+    plan = plan_shards(ids, 5, "grouped", options=PlanOptions(ranks_per_node=2, token_cap=1.0,
+                                                              costs=StepCosts(token_seconds=1e-12, pair_seconds=1.0)))
     assert torch.equal(plan.positions.sort().values, torch.arange(plan.padded_len))
