@@ -26,6 +26,8 @@ import time
 import torch
 
 from blockdiag_cp.tools.bench import doc_lengths
+from blockdiag_cp.mixers.conv import conv_plan
+from blockdiag_cp.mixers.recurrence import piece_schedule
 
 SEQ_LEN = 32768
 CONV_WIDTH = 4
@@ -126,11 +128,11 @@ def cp_worker(rank, world, mixer, segments, layout, repeats):
     state = ctx.state  # the kernels take the planned step itself (no model runs: no step entered)
 
     def recur(kind, *rows):
-        schedule = state.piece_schedule
+        schedule = piece_schedule(state)
         return schedule.gated_delta_rule(*rows) if kind == "delta" else schedule.ssd(*rows)
 
     def conv(rows, w):
-        return state.conv_plan(CONV_WIDTH)(rows, w, None)
+        return conv_plan(state, CONV_WIDTH)(rows, w, None)
 
     for _ in range(repeats + 1):
         parts = [t.clone().requires_grad_(True) for t in torch.split(local, widths, dim=1)]

@@ -8,8 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .step.doc_ids import resolve_doc_ids
-
-IGNORE_INDEX = -100
+from .step.rows import IGNORE_INDEX
 
 
 def next_token_labels(labels_1S: torch.Tensor, doc_ids_1S: torch.Tensor) -> torch.Tensor:

@@ -33,8 +33,13 @@ def resolve(module: str, is_package: bool, level: int, target: str | None) -> st
 def package_imports(module, tree, is_package):
     """Intra-package modules `module` imports anywhere: at the top, inside functions, and under
     ``if TYPE_CHECKING:`` (a circle there is still two homes that lean on each other)."""
-    return {resolve(module, is_package, node.level, node.module)
-            for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level}
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            target = resolve(module, is_package, node.level, node.module)
+            # ``from . import hf`` (no module): each name may be a module of the package
+            out.update([target] if node.module else [".".join(filter(None, [target, a.name])) for a in node.names])
+    return out
 
 
 #: what `plan/` (layouts, geometry, cost models) may import from the package: it is the layer the step, the
@@ -48,6 +53,48 @@ def test_plan_imports_nothing_above_it():
                        for target in package_imports(name, tree, pkg)
                        if target and target.split(".")[0] not in PLAN_MAY_IMPORT)
     assert not offenders, offenders
+
+
+def part_of(module: str) -> str:
+    """The top-level part a module belongs to: its folder under the package, or the root module itself."""
+    return module.split(".")[0] if module else "__init__"
+
+
+def test_no_two_top_level_parts_import_each_other():
+    """The folders are the architecture (issue #42): a value flows one way down, so no two top-level parts (a
+    folder, or a root module) import each other, directly or around a circle, lazy and type-checking imports
+    included."""
+    graph = {}
+    for name, _, tree, pkg in modules():
+        here = part_of(name)
+        graph.setdefault(here, set()).update(
+            part_of(t) for t in package_imports(name, tree, pkg) if t and part_of(t) != here)
+    state, circles = {}, []
+
+    def visit(part, stack):
+        if state.get(part) == "done":
+            return
+        if state.get(part) == "open":
+            circles.append(" -> ".join([*stack[stack.index(part):], part]))
+            return
+        state[part] = "open"
+        for target in sorted(graph.get(part, ())):
+            visit(target, [*stack, part])
+        state[part] = "done"
+
+    for part in sorted(graph):
+        visit(part, [])
+    assert not circles, circles
+
+
+#: the longest module the house keeps (issue #42)
+MAX_MODULE_LINES = 450
+
+
+def test_no_module_is_longer_than_the_house_keeps():
+    long = {str(path.relative_to(PACKAGE)): n for _, path, _, _ in modules()
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, long
 
 
 def test_no_import_circles():

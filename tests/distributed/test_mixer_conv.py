@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from blockdiag_cp import make_cp_blockdiag_batch_and_ctx
+from blockdiag_cp.mixers.conv import conv_plan
 from blockdiag_cp.testing import doc_ids_from_lengths
 
 ROWS = {
@@ -58,7 +59,7 @@ def conv_worker(rank, world, segments, layout):
     batch = {"inputs_embeds": x_full.unsqueeze(0), "_packed_seq_ids": ids}
     ctx, batch = make_cp_blockdiag_batch_and_ctx(mesh, None, batch, config=CPConfig(layout=layout))
     state = ctx.state  # the kernel takes the planned step itself (no model runs: no step entered)
-    y = state.conv_plan(WIDTH)(batch["inputs_embeds"][0], w, b)
+    y = conv_plan(state, WIDTH)(batch["inputs_embeds"][0], w, b)
     (y * y.detach().sign()).sum().backward()
     grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in (x_full, w, b)]  # a rank may not use w
     if world > 1:

@@ -14,6 +14,7 @@ import torch
 
 from blockdiag_cp import make_cp_blockdiag_batch_and_ctx
 from blockdiag_cp.mixers.chunked import chunked_gated_delta_rule, chunked_ssd
+from blockdiag_cp.mixers.recurrence import piece_schedule
 from blockdiag_cp.testing import doc_ids_from_lengths, gated_delta_rule_oracle, ssd_oracle
 
 ROWS = {
@@ -46,7 +47,7 @@ class DeltaRule:
 
     @staticmethod
     def across_ranks(state, rows):
-        return state.piece_schedule.gated_delta_rule(*rows)
+        return piece_schedule(state).gated_delta_rule(*rows)
 
 
 class Scan:
@@ -70,7 +71,7 @@ class Scan:
     @staticmethod
     def across_ranks(state, rows):
         x, dt, B, C = rows
-        return state.piece_schedule.ssd(x, dt, A_SSD, B, C)
+        return piece_schedule(state).ssd(x, dt, A_SSD, B, C)
 
 
 RULES = {"delta rule": DeltaRule, "scan": Scan}

@@ -363,6 +363,7 @@ def grouped_bytes_worker(rank, world):
 
     from blockdiag_cp import CPConfig, PlanOptions
     from blockdiag_cp.mixers import MixerShape
+    from blockdiag_cp.mixers.conv import conv_plan
     from blockdiag_cp.testing import doc_ids_from_lengths
     from blockdiag_cp.testing.world_parity import TINY_ROW_COSTS
 
@@ -376,7 +377,7 @@ def grouped_bytes_worker(rank, world):
     delta = MixerShape("gated_delta", conv_width=4, conv_channels=2 * 2 * 8 + 4 * 8, heads=4, key_heads=2,
                        key_dim=8, value_dim=8)
     got = state.mixer_bytes_per_layer(delta, torch.float32)
-    route = state.conv_plan(4).route
+    route = conv_plan(state, 4).route
     return got, route.peers, sum(route.send_splits), sum(route.recv_splits)
 
 

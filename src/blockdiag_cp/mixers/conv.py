@@ -91,6 +91,13 @@ class ConvPlan:
         return y_TC.index_select(0, self.out_index)
 
 
+def conv_plan(state: Any, width: int) -> ConvPlan:
+    """The step's per-document causal convolution of `width` (`state`: the active `StepState`; built on first
+    use, then kept for the step)."""
+    return state.derived(("conv", width), lambda: ConvPlan.build(state.geometry, state.rank, state.group, width,
+                                                                 state.device, state.peer_routes))
+
+
 @dataclass(frozen=True)
 class HaloReads:
     """Every key a window of `width` reads on another rank: ``owner`` ``[n]`` holds it at local row

@@ -191,6 +191,13 @@ class PieceSchedule:
         return out + 0.0 * gathered.sum()
 
 
+def piece_schedule(state: Any) -> PieceSchedule:
+    """Where each document's recurrent state comes from, for this rank's pieces of the step (`state`: the active
+    `StepState`; built on first use, then kept for the step)."""
+    return state.derived("pieces", lambda: PieceSchedule.build(state.geometry, state.rank, state.group,
+                                                               state.peer_routes))
+
+
 def _peer_route(group: Any, rank: int, counts: list[int], pieces: list[Piece], by_document: dict,
                 slots: dict) -> EntryRoute:
     """The states point-to-point: each slot to the ranks holding a later piece of its document."""

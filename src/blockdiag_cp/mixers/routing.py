@@ -8,8 +8,8 @@ can replace, and they never see ``position_ids``. So `prepare_model` installs, p
 
 - on each supported mixer, its own forward (an instance attribute). It computes the layer
   per document (`per_document_state`):
-  inside a CP step across ranks, with the step's plans (`StepState.conv_plan`,
-  `StepState.piece_schedule`); outside a step on one packed row (several documents, or
+  inside a CP step across ranks, with the step's plans (`conv.conv_plan`,
+  `recurrence.piece_schedule`); outside a step on one packed row (several documents, or
   padding, marked as the attention layers read them: ``position_ids`` that restart,
   ``cu_seq_lens_q``, a ``[1, S]`` padding mask) with the same plans at world 1. Anything
   else (several rows, one document, decoding from a cache) is the layer's own forward.
@@ -45,7 +45,9 @@ import torch
 import torch.nn.functional as F
 
 from ..step.doc_ids import position_breaks
+from .conv import conv_plan
 from .marks import PREPARED_KINDS, ROUTED_KIND, STATE_SPACE
+from .recurrence import piece_schedule
 from ..step.slot import STEP_SLOT, current_step
 from ..eager import eager_under_compile
 
@@ -142,7 +144,7 @@ def short_conv_forward(module: torch.nn.Module, state, hidden_states: torch.Tens
     """LFM2's ``ShortConv`` per document: ``y = out_proj(C * conv(B * x))``, ``B, C, x = in_proj(h)``;
     ``hidden_states [1, L, E]``."""
     B, C, x = module.in_proj(hidden_states[0]).chunk(3, dim=-1)  # [L, E] each
-    conv = state.conv_plan(module.conv_kernel_size)(B * x, module.conv.weight[:, 0, :], module.conv.bias)
+    conv = conv_plan(state, module.conv_kernel_size)(B * x, module.conv.weight[:, 0, :], module.conv.bias)
     return module.out_proj(C * conv).unsqueeze(0)
 
 
@@ -165,16 +167,16 @@ def qwen3_5_delta_forward(module: torch.nn.Module, state, hidden_states: torch.T
 
 def _gated_delta(module, state, mixed_LC, z_LHD, b_LH, a_LH) -> torch.Tensor:
     """The shared part of a Gated DeltaNet layer: conv and activation per document, the gated delta
-    rule per document (`StepState.piece_schedule`), the gated norm and the output projection.
+    rule per document (`recurrence.piece_schedule`), the gated norm and the output projection.
     ``mixed [L, 2 key_dim + value_dim]`` (q, k, v before the conv) -> ``[1, L, hidden]``."""
     from transformers.activations import ACT2FN
 
     L = mixed_LC.shape[0]
-    conv = state.conv_plan(module.conv_kernel_size)(mixed_LC, module.conv1d.weight[:, 0, :], module.conv1d.bias)
+    conv = conv_plan(state, module.conv_kernel_size)(mixed_LC, module.conv1d.weight[:, 0, :], module.conv1d.bias)
     q, k, v = torch.split(ACT2FN[module.activation](conv), [module.key_dim, module.key_dim, module.value_dim], dim=-1)
     beta = b_LH.sigmoid()
     g = -module.A_log.float().exp() * F.softplus(a_LH.float() + module.dt_bias)  # as transformers computes it
-    core = state.piece_schedule.gated_delta_rule(q.reshape(L, -1, module.head_k_dim), k.reshape(L, -1, module.head_k_dim),
+    core = piece_schedule(state).gated_delta_rule(q.reshape(L, -1, module.head_k_dim), k.reshape(L, -1, module.head_k_dim),
                                                  v.reshape(L, -1, module.head_v_dim), g, beta)
     core = module.norm(core.reshape(-1, module.head_v_dim), z_LHD.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(1, L, -1))
@@ -195,14 +197,14 @@ def mamba2_forward(module: torch.nn.Module, state, hidden_states: torch.Tensor) 
     I, H, P = module.intermediate_size, module.num_heads, module.head_dim
     GN = module.n_groups * module.ssm_state_size
     gate, xBC, dt = projected.split([I, module.conv_dim, H], dim=-1)
-    xBC = module.act(state.conv_plan(module.conv_kernel_size)(xBC, module.conv1d.weight[:, 0, :], module.conv1d.bias))
+    xBC = module.act(conv_plan(state, module.conv_kernel_size)(xBC, module.conv1d.weight[:, 0, :], module.conv1d.bias))
     x, B, C = xBC.split([I, GN, GN], dim=-1)
     L = x.shape[0]
     low, high = module.time_step_limit
     dt = torch.clamp(F.softplus(dt + module.dt_bias.to(dt.dtype)), min=low, max=high)
     A = -torch.exp(module.A_log.float())  # as transformers computes it
     groups = (L, module.n_groups, module.ssm_state_size)
-    y = state.piece_schedule.ssd(x.reshape(L, H, P), dt, A, B.reshape(groups), C.reshape(groups))
+    y = piece_schedule(state).ssd(x.reshape(L, H, P), dt, A, B.reshape(groups), C.reshape(groups))
     y = (y + module.D[:, None].to(y.dtype) * x.reshape(L, H, P)).reshape(1, L, I)
     if getattr(module, "mamba_rms_norm", True):
         y = module.norm(y, gate.unsqueeze(0))

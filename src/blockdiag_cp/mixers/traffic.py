@@ -21,6 +21,8 @@ import torch
 from ..exchange.base import Traffic
 from ..kernels.base import accumulate_dtype
 from ..parallel.routes import EntryRoute
+from .conv import conv_plan
+from .recurrence import piece_schedule
 
 KINDS = ("gated_delta", "mamba2", "conv")
 
@@ -68,6 +70,10 @@ class MixerShape:
         extra = {"gated_delta": 2 * self.heads, "mamba2": self.heads, "conv": 0}[self.kind]
         return self.conv_channels + extra
 
+    def bytes_per_layer(self, state: Any, dtype: torch.dtype) -> "MixerBytes":
+        """`mixer_bytes` of a layer of this shape in `state`'s step (what `StepState.mixer_bytes_per_layer` asks)."""
+        return mixer_bytes(state, self, dtype)
+
     @property
     def row_out(self) -> int:
         """Elements per token leaving it (before the gated norm and the output projection)."""
@@ -104,8 +110,8 @@ def mixer_bytes(state: Any, shape: MixerShape, dtype: torch.dtype) -> MixerBytes
     size = torch.empty(0, dtype=dtype).element_size()
     state_size = torch.empty(0, dtype=accumulate_dtype(dtype)).element_size()
     W = state.world
-    halo = _entry_bytes(state.conv_plan(shape.conv_width).route, shape.conv_channels * size)
-    carried = (_entry_bytes(state.piece_schedule.route, shape.state_entry * state_size) if shape.kind != "conv"
+    halo = _entry_bytes(conv_plan(state, shape.conv_width).route, shape.conv_channels * size)
+    carried = (_entry_bytes(piece_schedule(state).route, shape.state_entry * state_size) if shape.kind != "conv"
                else Traffic(0, 0, 0, 0))
     crossing = state.local_len * (W - 1) // W
     head_parallel = crossing * (shape.row_in + shape.row_out) * size

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CPTypeError
+from .agree import agree_across_ranks
 
 
 def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group: Any = None, *, average: bool = False) -> int:
@@ -58,8 +59,7 @@ def reduce_gradients(parameters: Iterable[torch.nn.Parameter], group: Any = None
 
 
 def _agree_on_buckets(buckets: dict[tuple, list[torch.Tensor]], group: Any) -> None:
-    """`ValueError` on every rank unless all ranks reduce the same buckets (Note [Ranks agree] in step/agree.py)."""
-    from ..step.agree import agree_across_ranks
+    """`ValueError` on every rank unless all ranks reduce the same buckets (Note [Ranks agree] in parallel/agree.py)."""
 
     layout = [(str(dtype), device.type, len(grads), sum(g.numel() for g in grads))
               for (device, dtype), grads in buckets.items()]

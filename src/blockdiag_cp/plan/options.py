@@ -14,7 +14,8 @@ DEFAULT_TOKEN_CAP = 1.25
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """What a layout plans with besides the row and the world (``CPConfig(plan=...)`` holds it, ``plan_shards(..., options=...)`` takes it).
+    """What a layout plans with besides the row and the world: the plan component's config (``CPConfig(plan=...)``
+    holds it, ``plan_shards(..., options=...)`` takes it; Note [One spelling per knob] in config.py).
 
     Attributes:
         ranks_per_node: (grouped) ranks ``r // ranks_per_node`` share a node (fast links); None: one node.

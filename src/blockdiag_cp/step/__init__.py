@@ -6,7 +6,6 @@
     world.py     make_cp_world_batch_and_ctx: the row source of every replica's row over all dp x cp ranks
     doc_ids.py   which document each position belongs to (0 = padding)
     rows.py      a collator's B rows as one packed row
-    agree.py     every rank of the CP group holds the same row (one small collective)
     state.py     StepState: plan, geometry, exchange routing and kernel call tables, built once
     notes.py     what the step's calls decided (fallbacks, window kinds, vision work)
     call.py      AttentionCall: an attention call as its entry names it; LayerFeatures

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ..config import CPConfig
 from ..errors import ensure
 from ..kernels import CallOptions
-from .agree import agree_across_ranks
+from ..parallel.agree import agree_across_ranks
 from .call import AttentionCall, LayerFeatures
 from .doc_ids import block_causal_mask, resolve_doc_ids
 from .slot import STEP_SLOT, CallSignature

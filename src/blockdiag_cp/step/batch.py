@@ -19,8 +19,8 @@ import torch.distributed as dist
 from ..config import CPConfig
 from ..errors import CPTypeError
 from ..parallel.heads import HeadGroups
+from ..parallel.agree import agree_across_ranks
 from ..plan import ShardPlan
-from .agree import agree_across_ranks
 from .inputs import SEQUENCE_KEYS, UNSHARDED_ROW_KEYS, pad_to, seq_dim_of
 from .pipeline import mesh_device, run_step, shard_agreed
 from .state import StepState

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from ..errors import CPTypeError
-from .rows import ROW_METADATA
+from .rows import IGNORE_INDEX, ROW_METADATA
 
 #: Sequence-aligned batch keys and the value their padding takes ("pad_token": the
 #: caller's ``padding_token_id``). Floating tensors pad with 0.
@@ -22,8 +22,8 @@ SEQUENCE_KEYS: Mapping[str, Any] = MappingProxyType(
     {
         "inputs_embeds": 0,
         "input_ids": "pad_token",
-        "labels": -100,
-        "shift_labels": -100,
+        "labels": IGNORE_INDEX,
+        "shift_labels": IGNORE_INDEX,
         "position_ids": 0,
         "_packed_seq_ids": 0,
         "loss_mask": 0,
@@ -64,7 +64,8 @@ def warn_unsharded(batch: Mapping[str, Any], S: int, seq_dims: Mapping[str, int]
             )
 
 
-def check_batch(batch: Mapping[str, Any], seq_dims: Mapping[str, int] = MappingProxyType({})) -> tuple[str, int, torch.device]:
+def check_batch(batch: Mapping[str, Any],
+                seq_dims: Mapping[str, int] = MappingProxyType({})) -> tuple[str, int, torch.device]:
     """Return ``(primary key, S, device)``; `ValueError` for a batch CP cannot shard."""
     has_embeds, has_ids = batch.get("inputs_embeds") is not None, batch.get("input_ids") is not None
     if has_embeds == has_ids:

@@ -15,9 +15,12 @@ from typing import Any
 import torch
 
 from .doc_ids import resolve_doc_ids
-from ..loss import IGNORE_INDEX
+
 #: keys that describe the rows as they come (used for the document ids, then dropped)
 ROW_METADATA = ("attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+#: the target of a token that predicts nothing (torch's cross-entropy default)
+IGNORE_INDEX = -100
 
 
 def shifted_labels(labels_BS: torch.Tensor) -> torch.Tensor:

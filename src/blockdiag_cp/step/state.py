@@ -9,11 +9,10 @@ a state the active one is in slot.py.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Callable, Hashable, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,12 +24,7 @@ from ..parallel.heads import HeadGroups, HeadParallel
 from ..plan.traffic import split_kv_heads, ulysses_elements
 from ..plan import ShardPlan, attention_work, make_plan
 from ..plan.geometry import StepGeometry
-from ..mixers.conv import ConvPlan
-from ..mixers.recurrence import PieceSchedule
 from .notes import CallNotes
-
-if TYPE_CHECKING:
-    from ..mixers.traffic import MixerBytes, MixerShape
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +66,7 @@ class StepState:
     call_notes: CallNotes = field(default_factory=CallNotes, compare=False, repr=False)
     _kinds: dict = field(default_factory=dict, compare=False, repr=False)
     _kinds_lock: Any = field(default_factory=threading.Lock, compare=False, repr=False)
-    _conv_plans: dict = field(default_factory=dict, compare=False, repr=False)
+    _derived: dict = field(default_factory=dict, compare=False, repr=False)
 
     def effective_window(self, window: Optional[int]) -> Optional[int]:
         """`window`, or None when it cannot cut any document of the row (it changes nothing)."""
@@ -98,18 +92,13 @@ class StepState:
         layout: a document's ranks are a few of a large group), else with one all-gather."""
         return self.plan.layout == "grouped"
 
-    @functools.cached_property
-    def piece_schedule(self) -> PieceSchedule:
-        """Where each document's recurrent state comes from, for this rank's pieces (built on first use)."""
-        return PieceSchedule.build(self.geometry, self.rank, self.group, self.peer_routes)
-
-    def conv_plan(self, width: int) -> ConvPlan:
-        """The per-document causal convolution of `width` for this step (built on first use, then kept)."""
+    def derived(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """What a layer kind plans once per step from this state (a mixer's conv plan, its piece schedule),
+        built by `build` on the first call with `key` and then kept for the step (the same on every rank)."""
         with self._kinds_lock:
-            if width not in self._conv_plans:
-                self._conv_plans[width] = ConvPlan.build(self.geometry, self.rank, self.group, width, self.device,
-                                                         self.peer_routes)
-            return self._conv_plans[width]
+            if key not in self._derived:
+                self._derived[key] = build()
+            return self._derived[key]
 
     @property
     def plan(self) -> ShardPlan:
@@ -142,12 +131,11 @@ class StepState:
         kv = self.exchange_for(window).traffic.bytes(kv_per_rank, head_dim, dtype, v_head_dim)
         return LayerBytes(Traffic(moved, moved, moved, moved), kv)
 
-    def mixer_bytes_per_layer(self, shape: "MixerShape", dtype: torch.dtype) -> "MixerBytes":
-        """Bytes this rank moves per routed token-mixer layer of `shape` (`mixers.traffic`): the conv
-        halo and the recurrent state hand-off, beside what head parallelism around it would move."""
-        from ..mixers.traffic import mixer_bytes
-
-        return mixer_bytes(self, shape, dtype)
+    def mixer_bytes_per_layer(self, shape: Any, dtype: torch.dtype) -> Any:
+        """Bytes this rank moves per routed token-mixer layer of `shape` (a `blockdiag_cp.mixers.MixerShape`,
+        which computes them: `MixerBytes`): the conv halo and the recurrent state hand-off, beside what head
+        parallelism around it would move."""
+        return shape.bytes_per_layer(self, dtype)
 
     def work_per_rank(self, window: Optional[int] = None) -> torch.Tensor:
         """``[W]``: causal attention work (query-key pairs, all heads) per rank (under a sliding `window`).

@@ -45,7 +45,7 @@ from ..parallel.routes import PeerRows
 from ..plan import ShardPlan, make_plan
 from ..plan.grouped import place_runs, row_runs
 from ..plan.ranges import concat_ranges
-from .agree import gather_fingerprints
+from ..parallel.agree import gather_fingerprints
 from .inputs import SEQUENCE_KEYS, UNSHARDED_ROW_KEYS, seq_dim_of
 from .pipeline import mesh_device, run_step
 
