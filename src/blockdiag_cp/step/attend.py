@@ -1,10 +1,11 @@
 """The eager attention of a call: a layer's inside a step, a single row's outside one (a
 one-rank step), stock SDPA otherwise.
 
-Reached only through `step.dispatch.attend` (eagerly) or the opaque op's run time (opaque.py),
-never from an entry: Note [One way down] in dispatch.py. Per call it does only host-side checks
-of shapes and dtypes (no device synchronisation) and the math: everything else was planned once
-per step.
+Its attention is reached only through `step.dispatch.attend` (eagerly) or the opaque op's run
+time (opaque.py), never from an entry: Note [One way down] in dispatch.py. (transformers'
+interface uses two helpers beside it: `refuse_late_recompute` on its own SDPA path, `row_state`
+for Llama 4's query temperature.) Per call it does only host-side checks of shapes and dtypes
+(no device synchronisation) and the math: everything else was planned once per step.
 
     attend_eagerly       a settled `AttentionCall`, by kind: step, row or stock
     attend_active_step   the active step's call: ranks agree on a signature's first call,
