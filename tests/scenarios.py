@@ -53,3 +53,21 @@ def minimum_rows(geometry, rank, window=None):
     others_need = sum(int((need[j] & mine).sum()) for j in range(geometry.world) if j != rank)
     i_received = int((need[rank] & ~mine).sum())
     return others_need + i_received
+
+
+def pieces_by_rank(plan, doc_ids):
+    """Per rank: (document, first offset, length) of each run of consecutive positions of one document."""
+    starts = torch.nonzero(torch.cat([torch.ones(1, dtype=torch.bool), doc_ids[1:] != doc_ids[:-1]])).flatten()
+    doc_start = starts[torch.searchsorted(starts, torch.arange(doc_ids.numel()), right=True) - 1]
+    out = []
+    for r in range(plan.world):
+        pos = plan.rank_positions(r)
+        pos = pos[pos < doc_ids.numel()]
+        ids = doc_ids[pos]
+        new = torch.ones(pos.numel(), dtype=torch.bool)
+        new[1:] = (ids[1:] != ids[:-1]) | (pos[1:] != pos[:-1] + 1)
+        first = torch.nonzero(new).flatten()
+        lengths = torch.diff(first, append=torch.tensor([pos.numel()]))
+        out.append([(int(ids[f]), int(pos[f] - doc_start[pos[f]]), int(n)) for f, n in zip(first, lengths)
+                    if int(ids[f]) != 0])
+    return out

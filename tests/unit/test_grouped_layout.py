@@ -14,6 +14,7 @@ from blockdiag_cp.plan.grouped import place_runs, plan_grouped
 from blockdiag_cp.plan.step_costs import pairs_before
 from blockdiag_cp.plan.whole_batch import micro_batches, pack_rows, project
 from blockdiag_cp.testing import doc_ids_from_lengths
+from scenarios import pieces_by_rank
 
 COSTS = StepCosts()  # a 1B-class Llama: a token costs about 16k pairs
 
@@ -34,24 +35,6 @@ def lognormal_rows(dp, row=32768, seed=0, mu=7.0, sigma=1.0):
 def place(lengths, world, **knobs):
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     return place_runs(starts, lengths, np.ones(lengths.size, bool), world, PlanOptions(**knobs))
-
-
-def pieces_of(plan, doc_ids):
-    """Per rank: (document, first offset, length) of each run of consecutive positions of one document."""
-    starts = torch.nonzero(torch.cat([torch.ones(1, dtype=torch.bool), doc_ids[1:] != doc_ids[:-1]])).flatten()
-    doc_start = starts[torch.searchsorted(starts, torch.arange(doc_ids.numel()), right=True) - 1]
-    out = []
-    for r in range(plan.world):
-        pos = plan.rank_positions(r)
-        pos = pos[pos < doc_ids.numel()]
-        ids = doc_ids[pos]
-        new = torch.ones(pos.numel(), dtype=torch.bool)
-        new[1:] = (ids[1:] != ids[:-1]) | (pos[1:] != pos[:-1] + 1)
-        first = torch.nonzero(new).flatten()
-        lengths = torch.diff(first, append=torch.tensor([pos.numel()]))
-        out.append([(int(ids[f]), int(pos[f] - doc_start[pos[f]]), int(n)) for f, n in zip(first, lengths)
-                    if int(ids[f]) != 0])
-    return out
 
 
 def test_every_position_once_ranks_ascending_and_none_empty():
@@ -75,7 +58,7 @@ def test_a_realistic_batch_short_documents_whole_groups_in_a_node_tokens_capped(
     work = COSTS.token_seconds * lengths + COSTS.pair_seconds * lengths * (lengths + 1) / 2
     tau = work.sum() / world
     ranks_of = {}
-    for rank, pieces in enumerate(pieces_of(plan, ids)):
+    for rank, pieces in enumerate(pieces_by_rank(plan, ids)):
         for doc, _, _ in pieces:
             ranks_of.setdefault(doc, set()).add(rank)
     short = np.flatnonzero(work <= tau / 4) + 1
@@ -161,7 +144,7 @@ def test_each_ranks_modeled_compute_from_the_materialized_plan():
                       piece_seconds=2e-4)
     placement = place(lengths, 6, ranks_per_node=3, costs=costs)
     plan = placement.shard_plan(ids.numel())
-    for rank, pieces in enumerate(pieces_of(plan, ids)):
+    for rank, pieces in enumerate(pieces_by_rank(plan, ids)):
         seconds = 0.0
         for _, offset, n in pieces:
             rate = costs.rectangle_factor if n >= costs.rectangle_min_queries else 1.0
@@ -192,7 +175,7 @@ def test_group_members_hold_equal_kernel_work():
     plan = plan_shards(ids, 4, "grouped")
     assert max(plan.local_lens) / min(plan.local_lens) < 1.005
     work = []
-    for pieces in pieces_of(plan, ids):
+    for pieces in pieces_by_rank(plan, ids):
         assert len(pieces) in (1, 2)
         work.append(sum(COSTS.token_seconds * n + COSTS.pair_seconds * (
             n * (n + 1) / 2 + (0.88 if n >= 768 else 1.0) * n * off) for _, off, n in pieces))
@@ -203,7 +186,7 @@ def test_a_window_cuts_contiguous_chunks_of_equal_work():
     ids = doc_ids_from_lengths((6000, 50))
     costs = StepCosts(token_seconds=16.0, pair_seconds=1.0)
     plan = plan_shards(ids, 3, "grouped", options=PlanOptions(window=256, costs=costs))
-    pieces = pieces_of(plan, ids)
+    pieces = pieces_by_rank(plan, ids)
     long_doc = [p for rank in pieces for p in rank if p[0] == 1]
     assert len(long_doc) == 3  # one contiguous piece per member
     work = [16.0 * n + pairs_before(np.array([o + n]), 256)[0] - pairs_before(np.array([o]), 256)[0]

@@ -13,23 +13,7 @@ from blockdiag_cp.plan.groups import GroupCutter, union_per_member, water_level
 from blockdiag_cp.plan.loads import Loads, water_fill
 from blockdiag_cp.plan.step_costs import pairs_before
 from blockdiag_cp.testing import doc_ids_from_lengths
-
-
-def pieces_by_rank(plan, doc_ids):
-    """Per rank: (document, first offset, length) of each run of consecutive positions of one document."""
-    starts = torch.nonzero(torch.cat([torch.ones(1, dtype=torch.bool), doc_ids[1:] != doc_ids[:-1]])).flatten()
-    doc_start = starts[torch.searchsorted(starts, torch.arange(doc_ids.numel()), right=True) - 1]
-    out = []
-    for r in range(plan.world):
-        pos = plan.rank_positions(r)
-        pos = pos[pos < doc_ids.numel()]
-        ids = doc_ids[pos]
-        new = torch.ones(pos.numel(), dtype=torch.bool)
-        new[1:] = (ids[1:] != ids[:-1]) | (pos[1:] != pos[:-1] + 1)
-        first = torch.nonzero(new).flatten()
-        lengths = torch.diff(first, append=torch.tensor([pos.numel()]))
-        out.append([(int(ids[f]), int(pos[f] - doc_start[pos[f]]), int(n)) for f, n in zip(first, lengths)])
-    return out
+from scenarios import pieces_by_rank
 
 
 def placed(lengths, world, **knobs):
