@@ -127,10 +127,10 @@ def byte_tokenizer():
 
 
 def common_args(s: dict, output_dir: str) -> dict:
-    return dict(output_dir=output_dir, per_device_train_batch_size=s["batch"], per_device_eval_batch_size=s["batch"],
-                gradient_accumulation_steps=s["accum"], learning_rate=s["lr"], max_steps=s["steps"], logging_steps=1,
-                save_strategy="no", report_to="none", seed=0, data_seed=0, use_cpu=True, disable_tqdm=True,
-                bf16=False, **s["args"])
+    return {**dict(output_dir=output_dir, per_device_train_batch_size=s["batch"], per_device_eval_batch_size=s["batch"],
+                   gradient_accumulation_steps=s["accum"], learning_rate=s["lr"], max_steps=s["steps"], logging_steps=1,
+                   save_strategy="no", report_to="none", seed=0, data_seed=0, use_cpu=True, disable_tqdm=True,
+                   bf16=False), **s["args"]}
 
 
 def build(s: dict, output_dir: str):
@@ -178,9 +178,29 @@ def run(s: dict) -> dict:
         trainer.train()
         metrics = trainer.evaluate() if s["evaluate"] else {}
     steps = [e for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
-    params = torch.cat([p.detach().double().reshape(-1) for p in trainer.model.parameters()])
+    params = torch.cat([p.detach().double().reshape(-1) for p in full_parameters(trainer)])
     return {"steps": steps, "eval_loss": metrics.get("eval_loss"), "params": params,
+            "wrapper": wrapper_of(trainer),
             "metrics": {k: v for k, v in metrics.items() if not k.endswith(("runtime", "per_second"))}}
+
+
+def full_parameters(trainer) -> list[torch.Tensor]:
+    """The model's parameters, whole (gathered where ZeRO-3 or FSDP2 shard them)."""
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        import deepspeed
+
+        params = list(model.parameters())
+        with deepspeed.zero.GatheredParameters(params):
+            return [p.detach().clone() for p in params]
+    return [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+
+
+def wrapper_of(trainer) -> str:
+    """What trained the model: the wrapper's class, and ZeRO's stage under DeepSpeed."""
+    wrapped = trainer.model_wrapped
+    stage = getattr(wrapped, "zero_optimization_stage", None)
+    return type(wrapped).__name__ + (f" ZeRO-{stage()}" if callable(stage) else "")
 
 
 def pool_run(rank: int, world: int, s: dict) -> dict:
