@@ -79,3 +79,38 @@ def test_deepspeed_zero_equals_the_same_stage_without_cp(own_pools, tmp_path):
     compare(own_pools, 2, "dp2 ZeRO-2, Trainer, accepts_loss_kwargs=False",
             {"accepts_loss_kwargs": False, "args": {"deepspeed": zero(2), **clip}}, "DeepSpeedEngine ZeRO-2",
             param_tol=5e-6)  # observed 1.1e-6
+
+
+def fsdp2(**config) -> dict:
+    """``TrainingArguments`` options for accelerate's FSDP2, as people set them."""
+    return {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, **config}}
+
+
+@pytest.mark.slow
+def test_accelerate_fsdp2_equals_fsdp2_without_cp(own_pools):
+    """accelerate's FSDP2 through the Trainer and SFTTrainer (``fsdp="full_shard"``, ``fsdp_config={"fsdp_version":
+    2}``, and accelerate's ``ParallelismConfig`` read as the mixin's mesh: Note [accelerate's ParallelismConfig under
+    the mixin]), against FSDP2 without CP on the dp replicas: gradient accumulation, clipping (DTensor grad norms).
+    On CPU, accelerate drops the FSDP plugin; `trainer_runs.CPUStandInForAccelerateFSDP2` puts it back where the
+    GPU path keeps it, so what runs is accelerate's own FSDP2 preparation (``fully_shard`` per decoder layer and at
+    the root, DTensor parameters), the code it runs on GPUs (benchmarks/gpu_session.sh runs the GPU case)."""
+    from accelerate import ParallelismConfig
+
+    clip = {"max_grad_norm": 0.5}
+    wrapped = "FSDPLlamaForCausalLM"
+    compare(own_pools, 1, "FSDP2, Trainer", {"args": {**fsdp2(), **clip}}, wrapped)
+    compare(own_pools, 2, "dp2 FSDP2 (no reshard after forward), SFT",
+            {**SFT, "args": {**fsdp2(reshard_after_forward=False), **clip}}, wrapped)
+    # ParallelismConfig: the CP run's config against the run without CP's (the same, less cp)
+    for dp, label, changes, cp_config, config in (
+            (1, "ParallelismConfig(cp_size=2), Trainer", {}, ParallelismConfig(cp_size=2), None),
+            (2, "ParallelismConfig(dp_shard_size=2, cp_size=2), SFT", SFT,
+             ParallelismConfig(dp_shard_size=2, cp_size=2), ParallelismConfig(dp_shard_size=2))):
+        # (accelerate refuses dp_replicate_size > 1 with cp_size > 1 and dp_shard_size 1; HSDP x CP needs 8 ranks)
+        got = own_pools(2 * dp).run(tr.pool_run, tr.spec(cp=1, **changes, args={
+            **fsdp2(), **clip, "parallelism_config": cp_config}))[0]
+        want = own_pools(dp).run(tr.pool_run, tr.spec(cp=0, **changes, args={
+            **fsdp2(), **clip, "parallelism_config": config}))[0]
+        assert got["wrapper"] == want["wrapper"] == wrapped, (label, got["wrapper"], want["wrapper"])
+        assert got["cp_size"] == 2 and got["dp_size"] == dp, (label, got["cp_size"], got["dp_size"])
+        tr.assert_same(got, want, tol=1e-6, param_tol=1e-6, label=label)

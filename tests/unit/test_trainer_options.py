@@ -70,7 +70,7 @@ def set_args(args, **changes):
 
 
 REFUSED_FOR_ROWS = {
-    "deepspeed": {"zero_optimization": {"stage": 3}, "fp16": {"enabled": True}}, "fsdp": ["full_shard"], "fp16": True, "auto_find_batch_size": True,
+    "deepspeed": {"zero_optimization": {"stage": 3}, "fp16": {"enabled": True}}, "fsdp_config": {"fsdp_version": 1}, "fp16": True, "auto_find_batch_size": True,
     "use_cache": True, "use_liger_kernel": True, "dataloader_in_order": False, "optim": "galore_adamw_layerwise",
     "label_names": ["targets"],
 }
@@ -137,6 +137,23 @@ def test_deepspeed_configs_verified_pass(tmp_path):
                     "communication_data_type": "fp32", "fp16": {"enabled": False}}, str(path)):
         args = transformers.TrainingArguments(output_dir="/tmp/blockdiag_cp_options", use_cpu=True)
         assert options.refusals(set_args(args, deepspeed=config), "rows") == [], config
+
+
+@pytest.mark.parametrize("config, named", [
+    ({"fsdp_version": 1}, "fsdp_config['version']=1"),
+    ({"version": 2, "cpu_offload": True}, "fsdp_config['cpu_offload']=True"),
+    ({"fsdp_version": 2, "activation_checkpointing": True}, "fsdp_config['activation_checkpointing']=True"),
+    ({"state_dict_type": "LOCAL_STATE_DICT"}, "fsdp_config['state_dict_type']"),
+    ({"fsdp_version": 2, "something_new": 1}, "fsdp_config['something_new'] is not verified"),
+])
+def test_fsdp_configs_not_verified_are_named(config, named):
+    args = set_args(transformers.TrainingArguments(output_dir="/tmp/blockdiag_cp_options", use_cpu=True),
+                    fsdp=True, fsdp_config=config)
+    (found,) = options.refusals(args, "rows")
+    assert found.startswith("fsdp_config=") and named in found, found
+    ok = {"fsdp_version": 2, "reshard_after_forward": False, "state_dict_type": "SHARDED_STATE_DICT",
+          "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+    assert options.refusals(set_args(args, fsdp_config=ok), "rows") == []
 
 
 def test_trl_options_are_refused_by_name():

@@ -48,6 +48,7 @@ RL_TESTS = "tests/integrations/test_trl_rl.py::test_grpo_under_cp_equals_grpo_wi
 REPLICA_TESTS = "tests/distributed/test_replica.py::test_the_replica_view_gathers_over_replicas_and_shares_cp_rank0"
 DPO_TESTS = "tests/integrations/test_trl_rl.py::test_dpo_and_grpo_at_dp2_cp2_equal_the_runs_without_cp"
 READERS = "tests/integrations/test_trainer.py::test_every_cp_rank_reads_what_its_replica_reads_without_cp"
+FSDP2_TESTS = "tests/integrations/test_sharded_trainer.py::test_accelerate_fsdp2_equals_fsdp2_without_cp"
 ZERO_TESTS = "tests/integrations/test_sharded_trainer.py::test_deepspeed_zero_equals_the_same_stage_without_cp"
 
 
@@ -160,6 +161,44 @@ def _deepspeed_feature_on(key: str, value: Any) -> bool:
     return True
 
 
+#: ``fsdp_config`` keys (transformers drops their ``fsdp_`` prefix) and the values verified under CP
+_FSDP_VERIFIED = types.MappingProxyType({
+    "version": lambda v: int(v) == 2,
+    "cpu_offload": lambda v: str(v).lower() == "false",
+    "xla": lambda v: str(v).lower() == "false",
+    "xla_fsdp_v2": lambda v: str(v).lower() == "false",
+    "xla_fsdp_grad_ckpt": lambda v: str(v).lower() == "false",
+    "activation_checkpointing": lambda v: str(v).lower() == "false",
+    "reshard_after_forward": lambda v: True,
+    "state_dict_type": lambda v: str(v).upper().split(".")[-1] in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"),
+    "auto_wrap_policy": lambda v: True,  # where fully_shard cuts the model: not what it computes
+    "transformer_layer_cls_to_wrap": lambda v: True,
+    "min_num_params": lambda v: True,
+    "cpu_ram_efficient_loading": lambda v: True,
+    "sync_module_states": lambda v: True,
+})
+
+
+def fsdp_config_problem(config: Any) -> str:
+    """What in ``fsdp_config`` (as transformers normalizes it) is not verified under CP, or ``""``.
+
+    Verified (`FSDP2_TESTS`): accelerate's FSDP2 (``version`` 2, the default), resharding after forward or not,
+    full and sharded state dicts, any wrap policy; refused: FSDP1, CPU offload, XLA, FSDP's own activation
+    checkpointing (use the Trainer's ``gradient_checkpointing``), keys this table does not know."""
+    if not config:
+        return ""
+    if not isinstance(config, dict):
+        return f"an fsdp_config of type {type(config).__name__}: pass a dict or a JSON file's path"
+    for key, value in config.items():
+        key = key[len("fsdp_"):] if key.startswith("fsdp_") else key  # as transformers reads them
+        check = _FSDP_VERIFIED.get(key)
+        if check is None:
+            return f"fsdp_config[{key!r}] is not verified under CP"
+        if not check(value):
+            return f"fsdp_config[{key!r}]={value!r} is not verified under CP"
+    return ""
+
+
 def _accelerator_ok(config: Any) -> bool:
     split = config.get("split_batches") if isinstance(config, dict) else getattr(config, "split_batches", False)
     return not split
@@ -185,7 +224,10 @@ TRAINING_ARGUMENTS = types.MappingProxyType({
     **_rules(INERT, "how batches are loaded, not which (worker processes; the order is checked by dataloader_in_order)",
              "dataloader_num_workers dataloader_pin_memory dataloader_persistent_workers dataloader_prefetch_factor "
              "dataloader_multiprocessing_context remove_unused_columns length_column_name"),
-    **_rules(INERT, "read only with a refused option (fsdp, use_liger_kernel)", "fsdp_config liger_kernel_config"),
+    **_rules(INERT, "read only with a refused option (use_liger_kernel)", "liger_kernel_config"),
+    "fsdp_config": Rule(VERIFIED, f"accelerate's FSDP2 averages the gradients over every dp x cp rank as DDP does: "
+                        f"{FSDP2_TESTS}", kinds=ROWS, ok=lambda config: not fsdp_config_problem(config),
+                        explain=fsdp_config_problem),
     **_rules(VERIFIED, f"the optimizer and schedule step from the reduced gradients, which CP makes equal: {TRAINER_TESTS}",
              "learning_rate lr_scheduler_type lr_scheduler_kwargs warmup_steps weight_decay adam_beta1 adam_beta2 "
              "adam_epsilon optim_args optim_target_modules max_grad_norm seed data_seed"),
@@ -231,10 +273,11 @@ TRAINING_ARGUMENTS = types.MappingProxyType({
     "deepspeed": Rule(VERIFIED, f"ZeRO stages 1, 2 and 3 (fp32 or bf16 weights; DeepSpeed averages the gradients over "
                       f"dp x cp ranks as DDP does): {ZERO_TESTS}; turn the named feature off or train without it",
                       kinds=ROWS, ok=lambda config: not deepspeed_problem(config), explain=deepspeed_problem),
-    "fsdp": Rule(REFUSED, "FSDP through the Trainer is not verified with the mixin: use DDP (torchrun) or FSDP2 without "
-                 "a Trainer (examples/train_fsdp2.py)"),
-    "parallelism_config": Rule(REFUSED, "accelerate's ParallelismConfig (cp, sp, tp, dp_shard) is not verified with the "
-                               "mixin: set the mixin's cp_size, and leave parallelism_config unset"),
+    "fsdp": Rule(VERIFIED, f"accelerate's FSDP2 (fsdp_config['fsdp_version']=2, the default), sharded over every dp x "
+                 f"cp rank: {FSDP2_TESTS}", kinds=ROWS),
+    "parallelism_config": Rule(VERIFIED, f"dp_replicate_size, dp_shard_size and cp_size read as the mixin's mesh (Note "
+                               f"[accelerate's ParallelismConfig under the mixin] in hf/parallelism.py): {FSDP2_TESTS}; "
+                               "tp_size and sp_size are refused", kinds=ROWS),
     **_rules(REFUSED, "Liger kernels replace the model's loss forward, which would shift labels inside each shard: "
              "turn them off under the mixin", "use_liger_kernel"),
 })
