@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole device check in one call (about 6 minutes on one H200): the CUDA tests, then
-# benchmarks/gpu_check.py. Run from the repository root; logs go to $OUT (or ./gpu_out).
+# The whole device check in one call (about 6 minutes on one H200): the CUDA tests,
+# benchmarks/gpu_check.py, then FSDP2 through the Trainer (benchmarks/gpu_fsdp2_trainer.py). Run from the
+# repository root; logs go to $OUT (or ./gpu_out).
 # The project runs from src/ on PYTHONPATH: nothing is installed.
 set -u
 out=${OUT:-gpu_out}; mkdir -p "$out"
@@ -21,3 +22,5 @@ PY
 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" --timeout 90 \
     tests/gpu/test_cuda_kernels.py 2>&1 | tee "$out/test_gpu.log"
 timeout "${CHECK_TIMEOUT:-300}" python3 benchmarks/gpu_check.py 2>&1 | tee "$out/gpu_check.md"
+timeout "${FSDP2_TIMEOUT:-180}" torchrun --standalone --nproc-per-node 1 benchmarks/gpu_fsdp2_trainer.py 2>&1 \
+    | tee "$out/fsdp2_trainer.log"

@@ -127,10 +127,10 @@ def byte_tokenizer():
 
 
 def common_args(s: dict, output_dir: str) -> dict:
-    return dict(output_dir=output_dir, per_device_train_batch_size=s["batch"], per_device_eval_batch_size=s["batch"],
-                gradient_accumulation_steps=s["accum"], learning_rate=s["lr"], max_steps=s["steps"], logging_steps=1,
-                save_strategy="no", report_to="none", seed=0, data_seed=0, use_cpu=True, disable_tqdm=True,
-                bf16=False, **s["args"])
+    return {**dict(output_dir=output_dir, per_device_train_batch_size=s["batch"], per_device_eval_batch_size=s["batch"],
+                   gradient_accumulation_steps=s["accum"], learning_rate=s["lr"], max_steps=s["steps"], logging_steps=1,
+                   save_strategy="no", report_to="none", seed=0, data_seed=0, use_cpu=True, disable_tqdm=True,
+                   bf16=False), **s["args"]}
 
 
 def build(s: dict, output_dir: str):
@@ -159,6 +159,8 @@ def build(s: dict, output_dir: str):
         kw.update(args=transformers.TrainingArguments(**common_args(s, output_dir)), train_dataset=train,
                   eval_dataset=evaluation, data_collator=collator)
         base = transformers.Trainer
+    if kw["args"].fsdp:
+        base = type(f"CPUFSDP2{base.__name__}", (CPUStandInForAccelerateFSDP2, base), {})
     if s["cp"] == 0:
         m.set_attn_implementation("sdpa")
         return base(**kw)
@@ -170,6 +172,42 @@ def build(s: dict, output_dir: str):
                                                                    cp_config=config, **kw)
 
 
+class CPUStandInForAccelerateFSDP2:
+    """Mixed in before the Trainer: accelerate's FSDP2 on CPU, as accelerate sets it up on GPUs.
+
+    ``TrainingArguments(fsdp="full_shard", fsdp_config={"fsdp_version": 2})`` makes the Trainer build
+    accelerate's ``FullyShardedDataParallelPlugin`` from ``args.fsdp_plugin_args``; on accelerator devices
+    ``AcceleratorState`` then sets ``distributed_type = FSDP`` and keeps the plugin, but on CPU
+    (``MULTI_CPU``) it drops it. This stands in for that one step of the GPU path, after the Trainer created
+    its accelerator: the state gets ``DistributedType.FSDP`` and the plugin the Trainer built (with the mixed
+    precision accelerate would give it), the Trainer's ``is_fsdp_enabled`` is set as the Trainer sets it from
+    the state, and a ``ParallelismConfig`` (which accelerate refuses on ``MULTI_CPU``) is set and validated
+    afterwards as ``Accelerator.__init__`` does it (its device mesh, its checks); from there on, accelerate's own FSDP2 preparation runs (``fully_shard`` of every decoder layer
+    and the root over the world or ``ParallelismConfig``'s ``dp_shard x cp`` mesh, DTensor parameters, its
+    gradient clipping and state dicts), exactly the code it runs on GPUs (design.md section 5).
+    """
+
+    def create_accelerator_and_postprocess(self) -> None:
+        config, self.args.parallelism_config = self.args.parallelism_config, None  # accelerate refuses it on MULTI_CPU
+        try:
+            super().create_accelerator_and_postprocess()
+        finally:
+            self.args.parallelism_config = config
+        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+        state = self.accelerator.state
+        if state.distributed_type == DistributedType.FSDP:  # on GPUs: accelerate's own path, nothing to stand in for
+            return
+        plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+        if state.mixed_precision != "no":
+            plugin.set_mixed_precision(state.mixed_precision)
+        state.distributed_type, state.fsdp_plugin = DistributedType.FSDP, plugin
+        self.is_fsdp_enabled = True
+        if config is not None:  # what Accelerator.__init__ does with it, on the FSDP state
+            state.parallelism_config, state.device_mesh = config, config.get_device_mesh(self.accelerator.device.type)
+            config._validate_accelerator(self.accelerator)
+
+
 def run(s: dict) -> dict:
     """Train (and evaluate) the run `s`; what the comparisons read."""
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
@@ -178,9 +216,30 @@ def run(s: dict) -> dict:
         trainer.train()
         metrics = trainer.evaluate() if s["evaluate"] else {}
     steps = [e for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
-    params = torch.cat([p.detach().double().reshape(-1) for p in trainer.model.parameters()])
+    params = torch.cat([p.detach().double().reshape(-1) for p in full_parameters(trainer)])
     return {"steps": steps, "eval_loss": metrics.get("eval_loss"), "params": params,
+            "wrapper": wrapper_of(trainer), "cp_size": getattr(trainer, "cp_size", None),
+            "dp_size": getattr(trainer, "dp_size", None),
             "metrics": {k: v for k, v in metrics.items() if not k.endswith(("runtime", "per_second"))}}
+
+
+def full_parameters(trainer) -> list[torch.Tensor]:
+    """The model's parameters, whole (gathered where ZeRO-3 or FSDP2 shard them)."""
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        import deepspeed
+
+        params = list(model.parameters())
+        with deepspeed.zero.GatheredParameters(params):
+            return [p.detach().clone() for p in params]
+    return [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+
+
+def wrapper_of(trainer) -> str:
+    """What trained the model: the wrapper's class, and ZeRO's stage under DeepSpeed."""
+    wrapped = trainer.model_wrapped
+    stage = getattr(wrapped, "zero_optimization_stage", None)
+    return type(wrapped).__name__ + (f" ZeRO-{stage()}" if callable(stage) else "")
 
 
 def pool_run(rank: int, world: int, s: dict) -> dict:

@@ -74,6 +74,7 @@ from .plan.options import PlanOptions
 from .errors import CPTypeError
 from .hf.model_checks import refuse_virtual_tokens
 from .hf.options import refuse_unverified_options
+from .hf.parallelism import read_parallelism_config
 from .hf.replica import first_cp_rank_rows, gather_over_replicas, share_from_cp_rank0
 from .hf.trainer_kinds import TrainerStrategy, strategy_for
 from .mixers import prepare_model
@@ -142,13 +143,14 @@ class BlockDiagCPMixin:
         self.seq_dims = check_seq_dims(seq_dims)
         strategy = strategy_for(type(self))  # the trainer's kind, looked at here only
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        _refuse_accelerate_cp(getattr(training_args, "parallelism_config", None))
+        cp_size = read_parallelism_config(training_args, cp_size)  # accelerate's cp_size is the mixin's
         _refuse_rank_aware_sampler(training_args, cp_size)
         refuse_unverified_options(training_args, strategy.kind, type(self).__name__)
         _no_batch_dispatch(training_args)
         strategy.prepare_args(training_args, cp_size)
         super().__init__(*args, **kwargs)
-        _refuse_accelerate_cp(getattr(self.accelerator, "parallelism_config", None))  # e.g. from an accelerate YAML
+        _refuse_accelerate_cp(getattr(self.accelerator, "parallelism_config", None))  # e.g. from an accelerate YAML:
+        # one given to the Trainer was read above
         world = self.args.world_size
         if world % cp_size:
             raise ValueError(f"cp_size={cp_size} must divide the world size {world} (world = dp x cp)")
@@ -289,9 +291,9 @@ def _refuse_accelerate_cp(config) -> None:
     """`ValueError` if accelerate's own context/sequence parallelism is configured too."""
     if config is not None and (getattr(config, "cp_enabled", False) or getattr(config, "sp_enabled", False)):
         raise ValueError(
-            "accelerate's ParallelismConfig(cp_size > 1 or sp_size > 1) is set together with BlockDiagCPMixin; use "
-            "one: the mixin's cp_size (per-document attention on packed rows) or accelerate's context parallelism "
-            "(no packing), not both"
+            "accelerate's ParallelismConfig(cp_size > 1 or sp_size > 1) is set outside the Trainer's arguments (an "
+            "accelerate config?) together with BlockDiagCPMixin: pass it as TrainingArguments(parallelism_config=...), "
+            "where the mixin reads its cp_size as its own (per-document attention on packed rows), or leave it out"
         )
 
 

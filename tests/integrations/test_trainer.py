@@ -203,7 +203,10 @@ def test_bad_settings_are_clear_errors():
     from accelerate import ParallelismConfig
 
     args.parallelism_config = ParallelismConfig(cp_size=2)
-    with pytest.raises(ValueError, match="use one"):
+    with pytest.raises(ValueError, match=r"cp_size=3 differ: set one"):
+        BlockDiagCPTrainer(model=model, args=args, cp_size=3)
+    args.parallelism_config = ParallelismConfig(cp_size=2, tp_size=2)
+    with pytest.raises(ValueError, match=r"tp_size=2\) is not verified"):
         BlockDiagCPTrainer(model=model, args=args, cp_size=1)
 
 

@@ -70,7 +70,7 @@ def set_args(args, **changes):
 
 
 REFUSED_FOR_ROWS = {
-    "deepspeed": "ds_config.json", "fsdp": ["full_shard"], "fp16": True, "auto_find_batch_size": True,
+    "deepspeed": {"zero_optimization": {"stage": 3}, "fp16": {"enabled": True}}, "fsdp_config": {"fsdp_version": 1}, "fp16": True, "auto_find_batch_size": True,
     "use_cache": True, "use_liger_kernel": True, "dataloader_in_order": False, "optim": "galore_adamw_layerwise",
     "label_names": ["targets"],
 }
@@ -102,6 +102,58 @@ def test_verified_values_pass_and_kinds_matter():
     assert [r.split("=")[0] for r in refused] == ["label_smoothing_factor", "neftune_noise_alpha"], refused
     args.accelerator_config.split_batches = True
     assert [r.split("=")[0] for r in options.refusals(args, "rows")] == ["accelerator_config"]
+
+
+ZERO3 = {"zero_optimization": {"stage": 3}}
+
+
+@pytest.mark.parametrize("config, named", [
+    ({"zero_optimization": {"stage": 0}}, "zero_optimization.stage=0"),
+    ({}, "zero_optimization.stage=0"),
+    ({**ZERO3, "fp16": {"enabled": True}}, "fp16="),
+    ({**ZERO3, "amp": {"enabled": True}}, "amp="),
+    ({**ZERO3, "sequence_parallel_size": 2}, "sequence_parallel_size=2"),
+    ({**ZERO3, "tensor_parallel": {"autotp_size": 2}}, "tensor_parallel="),
+    ({**ZERO3, "communication_data_type": "bf16"}, "communication_data_type='bf16'"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "offload_param="),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer="),
+    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "zero_quantized_weights=True"),
+    ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, "zero_hpz_partition_size=2"),
+    ({**ZERO3, "curriculum_learning": {"enabled": True}}, "curriculum_learning="),
+    ("/nonexistent/ds_config.json", "cannot read the DeepSpeed config"),
+])
+def test_deepspeed_features_not_verified_are_named(config, named):
+    args = set_args(transformers.TrainingArguments(output_dir="/tmp/blockdiag_cp_options", use_cpu=True), deepspeed=config)
+    (found,) = options.refusals(args, "rows")
+    assert found.startswith("deepspeed=") and named in found, found
+
+
+def test_deepspeed_configs_verified_pass(tmp_path):
+    """ZeRO 1-3, fp32 or bf16 weights, features set off, and a JSON file."""
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 2}, "bf16": {"enabled": true}}')
+    for config in ({"zero_optimization": {"stage": 1}}, {**ZERO3, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}},
+                   {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}, "sequence_parallel_size": 1,
+                    "communication_data_type": "fp32", "fp16": {"enabled": False}}, str(path)):
+        args = transformers.TrainingArguments(output_dir="/tmp/blockdiag_cp_options", use_cpu=True)
+        assert options.refusals(set_args(args, deepspeed=config), "rows") == [], config
+
+
+@pytest.mark.parametrize("config, named", [
+    ({"fsdp_version": 1}, "fsdp_config['version']=1"),
+    ({"version": 2, "cpu_offload": True}, "fsdp_config['cpu_offload']=True"),
+    ({"fsdp_version": 2, "activation_checkpointing": True}, "fsdp_config['activation_checkpointing']=True"),
+    ({"state_dict_type": "LOCAL_STATE_DICT"}, "fsdp_config['state_dict_type']"),
+    ({"fsdp_version": 2, "something_new": 1}, "fsdp_config['something_new'] is not verified"),
+])
+def test_fsdp_configs_not_verified_are_named(config, named):
+    args = set_args(transformers.TrainingArguments(output_dir="/tmp/blockdiag_cp_options", use_cpu=True),
+                    fsdp=True, fsdp_config=config)
+    (found,) = options.refusals(args, "rows")
+    assert found.startswith("fsdp_config=") and named in found, found
+    ok = {"fsdp_version": 2, "reshard_after_forward": False, "state_dict_type": "SHARDED_STATE_DICT",
+          "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+    assert options.refusals(set_args(args, fsdp_config=ok), "rows") == []
 
 
 def test_trl_options_are_refused_by_name():

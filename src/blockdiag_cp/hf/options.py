@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
+import os
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -46,6 +48,8 @@ RL_TESTS = "tests/integrations/test_trl_rl.py::test_grpo_under_cp_equals_grpo_wi
 REPLICA_TESTS = "tests/distributed/test_replica.py::test_the_replica_view_gathers_over_replicas_and_shares_cp_rank0"
 DPO_TESTS = "tests/integrations/test_trl_rl.py::test_dpo_and_grpo_at_dp2_cp2_equal_the_runs_without_cp"
 READERS = "tests/integrations/test_trainer.py::test_every_cp_rank_reads_what_its_replica_reads_without_cp"
+FSDP2_TESTS = "tests/integrations/test_sharded_trainer.py::test_accelerate_fsdp2_equals_fsdp2_without_cp"
+ZERO_TESTS = "tests/integrations/test_sharded_trainer.py::test_deepspeed_zero_equals_the_same_stage_without_cp"
 
 
 def _unset(value: Any) -> bool:
@@ -63,12 +67,14 @@ class Rule:
         kinds: the trainer kinds the verdict holds for; for other kinds the option is refused when set.
         ok: for ``verified``, the values that are (default: any); for ``refused``, the values that
             count as not set (default: the field's default or an empty value).
+        explain: for a value `ok` rejects, what exactly is not verified in it (said before `why`), or None.
     """
 
     verdict: str
     why: str
     kinds: frozenset = ALL_KINDS
     ok: Optional[Callable[[Any], bool]] = None
+    explain: Optional[Callable[[Any], str]] = None
 
     def __post_init__(self) -> None:
         if self.verdict not in (INERT, VERIFIED, REFUSED):
@@ -88,6 +94,109 @@ def _optimizer_ok(name: Any) -> bool:
     """Optimizers that step once per optimizer step from the reduced gradients (not inside backward)."""
     name = str(getattr(name, "value", name))
     return name not in ("lomo", "adalomo") and not name.endswith("_layerwise")
+
+
+#: DeepSpeed config keys (top level, or in ``zero_optimization``) that change the numbers and are not verified
+#: under CP, each with what to do instead
+_DEEPSPEED_UNVERIFIED = types.MappingProxyType({
+    "fp16": "fp16 with DeepSpeed's loss scaler: use bf16",
+    "amp": "apex AMP: use bf16",
+    "sequence_parallel_size": "DeepSpeed's own sequence parallelism (Ulysses): use the mixin's cp_size",
+    "tensor_parallel": "DeepSpeed's tensor parallelism (AutoTP)",
+    "communication_data_type": "reductions in another dtype than the gradients'",
+    "offload_optimizer": "ZeRO-Offload of the optimizer",
+    "offload_param": "ZeRO-Offload of the parameters",
+    "zero_quantized_weights": "ZeRO++ quantized weights",
+    "zero_quantized_gradients": "ZeRO++ quantized gradients",
+    "zero_hpz_partition_size": "ZeRO++ hierarchical partitioning",
+    "data_efficiency": "DeepSpeed's data sampling and routing (it picks each process's data)",
+    "curriculum_learning": "DeepSpeed's curriculum learning (it changes the sequences)",
+    "progressive_layer_drop": "progressive layer dropping",
+    "compression_training": "compression training",
+})
+
+
+def deepspeed_problem(config: Any) -> str:
+    """What in a ``deepspeed=`` value (a config dict or a JSON file's path) is not verified under CP, or ``""``.
+
+    Verified (`ZERO_TESTS`): ZeRO stages 1, 2 and 3 with fp32 or bf16 weights, gradient accumulation, gradient
+    clipping, DeepSpeed's or the Trainer's optimizer and schedule. Set to anything but off, each key of
+    `_DEEPSPEED_UNVERIFIED` is named."""
+    if config is None or config == "":
+        return ""  # no DeepSpeed
+    if isinstance(config, (str, os.PathLike)):
+        try:
+            with open(config) as f:
+                config = json.load(f)
+        except (OSError, ValueError) as exc:
+            return f"cannot read the DeepSpeed config {str(config)!r} as a JSON file ({exc}); pass a dict or a JSON file"
+    if not isinstance(config, dict):
+        return f"a DeepSpeed config of type {type(config).__name__}: pass a dict or a JSON file's path"
+    zero = config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    if stage not in (1, 2, 3):
+        return f"zero_optimization.stage={stage!r}: ZeRO stages 1, 2 and 3 are verified under CP"
+    for key, why in _DEEPSPEED_UNVERIFIED.items():
+        value = config.get(key, zero.get(key))
+        if _deepspeed_feature_on(key, value):
+            return f"{key}={value!r} is not verified under CP ({why})"
+    return ""
+
+
+def _deepspeed_feature_on(key: str, value: Any) -> bool:
+    """Whether DeepSpeed config key `key` set to `value` turns its feature on (``"auto"``: the Trainer's own
+    argument decides, and that argument has its own rule)."""
+    if value in (None, False, 0, "none", "auto") or value == {}:
+        return False
+    if key == "communication_data_type":
+        return str(value) not in ("fp32", "float32", "torch.float32")
+    if key == "sequence_parallel_size":
+        return value != 1
+    if isinstance(value, dict) and key == "tensor_parallel":
+        return value.get("autotp_size", 1) not in (0, 1, None)
+    if isinstance(value, dict) and key.startswith("offload"):
+        return value.get("device", "none") not in ("none", None)
+    if isinstance(value, dict) and key != "compression_training":
+        return value.get("enabled", False) in (True, "true")
+    return True
+
+
+#: ``fsdp_config`` keys (transformers drops their ``fsdp_`` prefix) and the values verified under CP
+_FSDP_VERIFIED = types.MappingProxyType({
+    "version": lambda v: int(v) == 2,
+    "cpu_offload": lambda v: str(v).lower() == "false",
+    "xla": lambda v: str(v).lower() == "false",
+    "xla_fsdp_v2": lambda v: str(v).lower() == "false",
+    "xla_fsdp_grad_ckpt": lambda v: str(v).lower() == "false",
+    "activation_checkpointing": lambda v: str(v).lower() == "false",
+    "reshard_after_forward": lambda v: True,
+    "state_dict_type": lambda v: str(v).upper().split(".")[-1] in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"),
+    "auto_wrap_policy": lambda v: True,  # where fully_shard cuts the model: not what it computes
+    "transformer_layer_cls_to_wrap": lambda v: True,
+    "min_num_params": lambda v: True,
+    "cpu_ram_efficient_loading": lambda v: True,
+    "sync_module_states": lambda v: True,
+})
+
+
+def fsdp_config_problem(config: Any) -> str:
+    """What in ``fsdp_config`` (as transformers normalizes it) is not verified under CP, or ``""``.
+
+    Verified (`FSDP2_TESTS`): accelerate's FSDP2 (``version`` 2, the default), resharding after forward or not,
+    full and sharded state dicts, any wrap policy; refused: FSDP1, CPU offload, XLA, FSDP's own activation
+    checkpointing (use the Trainer's ``gradient_checkpointing``), keys this table does not know."""
+    if not config:
+        return ""
+    if not isinstance(config, dict):
+        return f"an fsdp_config of type {type(config).__name__}: pass a dict or a JSON file's path"
+    for key, value in config.items():
+        key = key[len("fsdp_"):] if key.startswith("fsdp_") else key  # as transformers reads them
+        check = _FSDP_VERIFIED.get(key)
+        if check is None:
+            return f"fsdp_config[{key!r}] is not verified under CP"
+        if not check(value):
+            return f"fsdp_config[{key!r}]={value!r} is not verified under CP"
+    return ""
 
 
 def _accelerator_ok(config: Any) -> bool:
@@ -115,7 +224,10 @@ TRAINING_ARGUMENTS = types.MappingProxyType({
     **_rules(INERT, "how batches are loaded, not which (worker processes; the order is checked by dataloader_in_order)",
              "dataloader_num_workers dataloader_pin_memory dataloader_persistent_workers dataloader_prefetch_factor "
              "dataloader_multiprocessing_context remove_unused_columns length_column_name"),
-    **_rules(INERT, "read only with a refused option (fsdp, use_liger_kernel)", "fsdp_config liger_kernel_config"),
+    **_rules(INERT, "read only with a refused option (use_liger_kernel)", "liger_kernel_config"),
+    "fsdp_config": Rule(VERIFIED, f"accelerate's FSDP2 averages the gradients over every dp x cp rank as DDP does: "
+                        f"{FSDP2_TESTS}", kinds=ROWS, ok=lambda config: not fsdp_config_problem(config),
+                        explain=fsdp_config_problem),
     **_rules(VERIFIED, f"the optimizer and schedule step from the reduced gradients, which CP makes equal: {TRAINER_TESTS}",
              "learning_rate lr_scheduler_type lr_scheduler_kwargs warmup_steps weight_decay adam_beta1 adam_beta2 "
              "adam_epsilon optim_args optim_target_modules max_grad_norm seed data_seed"),
@@ -158,12 +270,14 @@ TRAINING_ARGUMENTS = types.MappingProxyType({
                                  "ranks of a replica could read different batches: set the batch size"),
     **_rules(REFUSED, "not verified under CP (loss scaling and inf checks per rank); use bf16",
              "fp16 fp16_full_eval"),
-    "deepspeed": Rule(REFUSED, "DeepSpeed's engine scales and reduces the loss itself, not verified with the mixin: use "
-                      "DDP (torchrun) or FSDP2 without a Trainer (examples/train_fsdp2.py)"),
-    "fsdp": Rule(REFUSED, "FSDP through the Trainer is not verified with the mixin: use DDP (torchrun) or FSDP2 without "
-                 "a Trainer (examples/train_fsdp2.py)"),
-    "parallelism_config": Rule(REFUSED, "accelerate's ParallelismConfig (cp, sp, tp, dp_shard) is not verified with the "
-                               "mixin: set the mixin's cp_size, and leave parallelism_config unset"),
+    "deepspeed": Rule(VERIFIED, f"ZeRO stages 1, 2 and 3 (fp32 or bf16 weights; DeepSpeed averages the gradients over "
+                      f"dp x cp ranks as DDP does): {ZERO_TESTS}; turn the named feature off or train without it",
+                      kinds=ROWS, ok=lambda config: not deepspeed_problem(config), explain=deepspeed_problem),
+    "fsdp": Rule(VERIFIED, f"accelerate's FSDP2 (fsdp_config['fsdp_version']=2, the default), sharded over every dp x "
+                 f"cp rank: {FSDP2_TESTS}", kinds=ROWS),
+    "parallelism_config": Rule(VERIFIED, f"dp_replicate_size, dp_shard_size and cp_size read as the mixin's mesh (Note "
+                               f"[accelerate's ParallelismConfig under the mixin] in hf/parallelism.py): {FSDP2_TESTS}; "
+                               "tp_size and sp_size are refused", kinds=ROWS),
     **_rules(REFUSED, "Liger kernels replace the model's loss forward, which would shift labels inside each shard: "
              "turn them off under the mixin", "use_liger_kernel"),
 })
@@ -227,7 +341,7 @@ GRPO_CONFIG = types.MappingProxyType({
              "vespo_lambda_pos vespo_k_neg vespo_lambda_neg cast_lm_head_to_fp32"),
     **_rules(INERT, "logging only", "log_completions log_completions_hub_repo log_multimodal log_unique_prompts "
              "num_completions_to_print"),
-    **_rules(INERT, "read only with use_vllm (refused) or DeepSpeed (refused)",
+    **_rules(INERT, "read only with use_vllm or DeepSpeed (both refused for GRPO)",
              "vllm_mode vllm_model_impl vllm_enable_sleep_mode vllm_structured_outputs_regex vllm_server_base_url "
              "vllm_server_host vllm_server_port vllm_server_timeout vllm_group_port vllm_gpu_memory_utilization "
              "vllm_max_model_length vllm_tensor_parallel_size vllm_importance_sampling_correction "
@@ -287,7 +401,8 @@ def refusals(args: Any, kind: str) -> list[str]:
         elif rule.verdict == REFUSED and not (is_default or (rule.ok is not None and rule.ok(value))):
             out.append(f"{name}={shown}: {rule.why}")
         elif rule.verdict == VERIFIED and rule.ok is not None and not rule.ok(value):
-            out.append(f"{name}={shown}: {rule.why}")
+            detail = f"{rule.explain(value)}; " if rule.explain is not None else ""
+            out.append(f"{name}={shown}: {detail}{rule.why}")
     return out
 
 
