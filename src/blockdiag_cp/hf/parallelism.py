@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["read_parallelism_config"]
+__all__ = ("read_parallelism_config",)
 
 
 def read_parallelism_config(training_args: Any, cp_size: int) -> int:
