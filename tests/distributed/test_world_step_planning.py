@@ -79,3 +79,66 @@ def test_bad_lengths_or_shapes_raise_at_entry(args, message):
 def test_a_rank_outside_the_mesh_is_refused():
     with pytest.raises(ValueError, match=r"rank must be an int in \[0, 4\)"):
         plan_rank_state([(3, 4), (5,)], 2, 2, 4)
+
+
+def prefetch_worker(rank, world, batches_rows, dp, exchange):
+    """Each micro-batch through `prefetched_world_steps` and through `make_cp_world_batch_and_ctx`: the shards,
+    the states and an attention call's output and input gradient."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from blockdiag_cp import cp_blockdiag_sdpa, make_cp_world_batch_and_ctx
+    from blockdiag_cp.step.prefetch import prefetched_world_steps
+    from blockdiag_cp.testing import doc_ids_from_lengths
+
+    mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "cp"))
+    d = mesh.get_local_rank("dp")
+
+    def batch_of(rows, seed):
+        ids = doc_ids_from_lengths(rows[d])
+        x = torch.randn(1, ids.numel(), 8, generator=torch.Generator().manual_seed(seed * 10 + d), dtype=torch.float64)
+        return {"inputs_embeds": x.requires_grad_(), "labels": torch.arange(ids.numel())[None],
+                "_packed_seq_ids": ids[None]}
+
+    def attend(ctx, shard):
+        x = shard["inputs_embeds"]
+        q = x.reshape(1, -1, 2, 4).transpose(1, 2)
+        with ctx():
+            out = cp_blockdiag_sdpa(q, q * 0.5, q.flip(-1))
+        return out
+
+    def run(ctx, shard, leaf):
+        out = attend(ctx, shard)
+        out.pow(2).sum().backward()
+        return dict(summary(ctx.state, ctx.replica_of_row), ids=shard["labels"].tolist(),
+                    positions=shard["position_ids"].tolist(), out=out.detach(), grad=leaf.grad)
+
+    config = config_of(exchange)
+    plain = []
+    for i, rows in enumerate(batches_rows):
+        batch = batch_of(rows, i)
+        leaf = batch["inputs_embeds"]
+        ctx, shard = make_cp_world_batch_and_ctx(mesh, batch, config=config)
+        plain.append(run(ctx, shard, leaf))
+    leaves = []
+
+    def fed():
+        for i, rows in enumerate(batches_rows):
+            batch = batch_of(rows, i)
+            leaves.append(batch["inputs_embeds"])
+            yield batch
+
+    prefetched = [run(step.train_ctx, step.batch, leaves[i])
+                  for i, step in enumerate(prefetched_world_steps(mesh, fed(), config=config))]
+    return plain, prefetched
+
+
+@pytest.mark.parametrize("dp, exchange", [(2, "auto"), (4, "a2a")])
+def test_prefetched_steps_equal_the_steps_without_prefetch(dp, exchange, rank_pools):
+    batches = [random_rows(100 + i, dp) for i in range(3)]
+    for plain, prefetched in rank_pools(4).run(prefetch_worker, batches, dp, exchange):
+        assert len(plain) == len(prefetched) == 3
+        for a, b in zip(plain, prefetched):
+            assert {k: v for k, v in a.items() if k not in ("out", "grad")} == \
+                {k: v for k, v in b.items() if k not in ("out", "grad")}
+            assert torch.equal(a["out"], b["out"]) and torch.equal(a["grad"], b["grad"])
+            assert a["grad"].abs().sum() > 0

@@ -185,8 +185,10 @@ class WholeBatch:
     def plan(self, config: CPConfig) -> ShardPlan:
         return _plan(self.row, self.view.world, config)
 
-    def move(self, batch: dict[str, Any], plan: ShardPlan, padding_token_id: int, seq_dims: Mapping[str, int]) -> None:
-        _move_rows(batch, self.batch_device, self.row, plan, self.view, padding_token_id, seq_dims)
+    def move(self, batch: dict[str, Any], plan: ShardPlan, padding_token_id: int, seq_dims: Mapping[str, int],
+             route: Optional["_TokenRoute"] = None) -> None:
+        """`route`: this rank's token route when built already (the prefetching step builds it ahead)."""
+        _move_rows(batch, self.batch_device, self.row, plan, self.view, padding_token_id, seq_dims, route)
 
     def replica_of_row(self, plan: ShardPlan) -> torch.Tensor:
         return self.row.replica_of(plan.rank_positions(self.view.rank)).to(self.doc_ids.device)
@@ -287,9 +289,9 @@ def _plan(row: GlobalRow, world: int, config: CPConfig) -> ShardPlan:
 
 
 def _move_rows(batch: dict[str, Any], device: torch.device, row: GlobalRow, plan: ShardPlan, view: WorldView,
-               padding_token_id: int, seq_dims: Mapping[str, int]) -> None:
+               padding_token_id: int, seq_dims: Mapping[str, int], route: Optional["_TokenRoute"] = None) -> None:
     """Replace every sequence-aligned tensor of `batch` by this rank's rows of the global row (Note [...], 3)."""
-    route = _TokenRoute.build(row, plan, view)
+    route = _TokenRoute.build(row, plan, view) if route is None else route
     for key in UNSHARDED_ROW_KEYS:
         batch.pop(key, None)
     batch.pop("attention_mask", None)

@@ -23,11 +23,12 @@ import torch
 
 from ..config import CPConfig
 from ..errors import CPTypeError
+from ..parallel.heads import HeadGroups
 from ..plan import ShardPlan
 from .state import StepState, build_step_state
 from .world import GlobalRow, WorldView, _plan, _TokenRoute
 
-__all__ = ["RankStep", "WorldStepPlan", "plan_rank_state", "plan_world_step"]
+__all__ = ["RankStep", "WorldStepPlan", "build_rank_step", "plan_rank_state", "plan_world_step"]
 
 
 @dataclass(frozen=True)
@@ -38,11 +39,13 @@ class RankStep:
         state: the rank's `StepState` (``group`` None).
         route: the rank's part of the token exchange (rows it sends to each rank, where received rows go).
         replica_of_row: ``[L_r]`` the dp replica of each local row (-1: padding).
+        row: the global row it was built from.
     """
 
     state: StepState
     route: _TokenRoute
     replica_of_row: torch.Tensor
+    row: GlobalRow
 
 
 @dataclass(frozen=True)
@@ -68,11 +71,17 @@ class WorldStepPlan:
         """Rank `rank`'s state and token route (``0 <= rank < dp * cp``)."""
         if not isinstance(rank, int) or not 0 <= rank < self.world:
             raise ValueError(f"rank must be an int in [0, {self.world}), got {rank!r}")
-        view = _view(self.dp, self.cp, rank)
-        cpu = torch.device("cpu")
-        state = build_step_state(self.row.doc_ids, self.world, rank, None, self.config, cpu, None, self.plan)
-        route = _TokenRoute.build(self.row, self.plan, view)
-        return RankStep(state, route, self.row.replica_of(self.plan.rank_positions(rank)))
+        return build_rank_step(self.row, self.plan, _view(self.dp, self.cp, rank), self.config, torch.device("cpu"))
+
+
+def build_rank_step(row: GlobalRow, plan: ShardPlan, view: WorldView, config: CPConfig, device: torch.device,
+                    heads: Optional[HeadGroups] = None, warm_up: bool = True) -> RankStep:
+    """`view.rank`'s state over ``view.group`` and its token route, for the agreed `row` and its `plan` (no
+    collective unless `warm_up` on NCCL, Note [A rank's step without a process group])."""
+    state = build_step_state(row.doc_ids.to(device), view.world, view.rank, view.group, config, device, heads, plan,
+                             warm_up)
+    route = _TokenRoute.build(row, plan, view)
+    return RankStep(state, route, row.replica_of(plan.rank_positions(view.rank)).to(device), row)
 
 
 def plan_world_step(replica_lengths: Sequence[Sequence[int]], dp: int, cp: int,
