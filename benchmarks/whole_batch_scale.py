@@ -1,0 +1,122 @@
+"""The whole-batch step's host work at worlds of a thousand ranks, measured in one process (issue #41).
+
+    python benchmarks/whole_batch_scale.py                      # worlds 64, 256, 1024; three length mixes
+    python benchmarks/whole_batch_scale.py --worlds 64 --ranks 2 --step sleep:0.5
+
+For each world (dp x cp 4, 8 ranks per node) and each length mix (lognormal SFT lengths, a power law,
+SFT lengths with 5% long documents: `blockdiag-cp plan --whole-batch`'s ``--lengths``), one micro-batch
+of 32k-token rows packed best fit decreasing (the rows' leftover room is padding), and:
+
+- planning s: `plan_world_step` (the global row and its plan; the same on every rank);
+- host ms per rank: `WorldStepPlan.rank_step` (the rank's `StepState`: geometry, pieces, exchange
+  routing, kernel tables, and its token route), the max over the sampled ranks (rank 0, the middle
+  one, the last one, the one holding the most positions);
+- blocking ms: how long the step waits for its plan when planning (planning + one rank's host work)
+  runs on a background thread, as `prefetched_world_steps` runs it, beside a stand-in for the previous
+  step (``--step sleep:S``: a sleep of S seconds, the GIL free; ``matmul:S``: S seconds of torch
+  matmuls, which release the GIL in the kernel but not between calls).
+
+Everything runs in this process on one thread (plus the planning thread), CPU, `kernel="auto"` (sdpa
+here); the per-rank state is the one `make_cp_world_batch_and_ctx` builds on that rank (a test checks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from blockdiag_cp import CPConfig
+from blockdiag_cp.plan import PlanOptions
+from blockdiag_cp.plan.whole_batch import micro_batches, pack_rows
+from blockdiag_cp.step.world_plan import plan_world_step
+from blockdiag_cp.tools.plan import sample_lengths
+
+MIXES = ("lognormal", "powerlaw", "longmix")
+
+
+def replica_rows(mix: str, dp: int, row_len: int, seed: int) -> list[list[int]]:
+    """One micro-batch: `dp` rows of `mix` lengths packed best fit decreasing, their leftover room padding."""
+    lengths = sample_lengths(mix, int(1.3 * dp * row_len), row_len, seed)
+    batch = micro_batches(pack_rows(lengths, row_len), dp, seed)[0]
+    return [r.tolist() + ([-(row_len - int(r.sum()))] if r.sum() < row_len else []) for r in batch]
+
+
+def sampled_ranks(plan, count: int) -> list[int]:
+    lens = plan.offsets[1:] - plan.offsets[:-1]
+    ranks = [0, plan.world // 2, plan.world - 1, int(torch.argmax(lens))]
+    return list(dict.fromkeys(ranks))[:count]
+
+
+def stand_in_step(spec: str) -> None:
+    kind, _, seconds = spec.partition(":")
+    end = time.perf_counter() + float(seconds)
+    if kind == "sleep":
+        time.sleep(float(seconds))
+        return
+    a = torch.randn(384, 384)
+    while time.perf_counter() < end:
+        a = torch.tanh(a @ a)
+
+
+def blocking_seconds(rows, dp: int, cp: int, rank: int, config: CPConfig, step: str) -> float:
+    """The wait for a plan built on a background thread beside a stand-in for the previous step."""
+    with ThreadPoolExecutor(1) as planner:
+        future = planner.submit(lambda: plan_world_step(rows, dp, cp, config).rank_step(rank))
+        stand_in_step(step)
+        t0 = time.perf_counter()
+        future.result()
+        return time.perf_counter() - t0
+
+
+def measure(world: int, mix: str, args: argparse.Namespace) -> tuple[float, float, float, int]:
+    """``(host s per rank, planning s, blocking s, tokens)`` of one micro-batch at `world`."""
+    dp, cp = world // args.cp, args.cp
+    rows = replica_rows(mix, dp, args.row_len, args.seed)
+    config = CPConfig(layout="grouped", plan=PlanOptions(ranks_per_node=args.ranks_per_node))
+    t0 = time.perf_counter()
+    world_plan = plan_world_step(rows, dp, cp, config)
+    planning = time.perf_counter() - t0
+    host = []
+    ranks = sampled_ranks(world_plan.plan, args.ranks)
+    for rank in ranks:
+        t0 = time.perf_counter()
+        world_plan.rank_step(rank)
+        host.append(time.perf_counter() - t0)
+    blocking = blocking_seconds(rows, dp, cp, ranks[int(np.argmax(host))], config, args.step)
+    return max(host), planning, blocking, world_plan.row.seq_len
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worlds", type=int, nargs="+", default=[64, 256, 1024])
+    p.add_argument("--cp", type=int, default=4)
+    p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument("--row-len", type=int, default=32768)
+    p.add_argument("--mixes", nargs="+", default=list(MIXES))
+    p.add_argument("--ranks", type=int, default=4, help="ranks sampled per world (host ms: their max)")
+    p.add_argument("--step", default="sleep:2.0", help="the stand-in step: sleep:S or matmul:S (seconds)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    print(f"| world | dp x cp | lengths | tokens | host ms per rank (max of {args.ranks}) | planning s | "
+          f"blocking ms ({args.step}) |")
+    print("|---|---|---|---|---|---|---|")
+    last = {}
+    for world in args.worlds:
+        for mix in args.mixes:
+            host, planning, blocking, tokens = measure(world, mix, args)
+            print(f"| {world} | {world // args.cp} x {args.cp} | {mix} | {tokens / 1e6:.2f}M | {host * 1e3:.0f} | "
+                  f"{planning:.2f} | {blocking * 1e3:.0f} |", flush=True)
+            worst = last.get(world, (0.0, 0.0, 0.0))
+            last[world] = (max(worst[0], host), max(worst[1], planning), max(worst[2], blocking))
+    world = args.worlds[-1]
+    host, planning, blocking = last[world]
+    print(f"world {world}: host ms per rank {host * 1e3:.0f}, planning s {planning:.2f}, blocking ms {blocking * 1e3:.0f}")
+
+
+if __name__ == "__main__":
+    main()
