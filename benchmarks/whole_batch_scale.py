@@ -14,7 +14,8 @@ of 32k-token rows packed best fit decreasing (the rows' leftover room is padding
 - blocking ms: how long the step waits for its plan when planning (planning + one rank's host work)
   runs on a background thread, as `prefetched_world_steps` runs it, beside a stand-in for the previous
   step (``--step sleep:S``: a sleep of S seconds, the GIL free; ``matmul:S``: S seconds of torch
-  matmuls, which release the GIL in the kernel but not between calls).
+  matmuls, which release the GIL in the kernel but not between calls; ``python:S``: S seconds of a
+  pure-Python loop, which holds it).
 
 Everything runs in this process on one thread (plus the planning thread), CPU, `kernel="auto"` (sdpa
 here); the per-rank state is the one `make_cp_world_batch_and_ctx` builds on that rank (a test checks).
@@ -57,6 +58,10 @@ def stand_in_step(spec: str) -> None:
     if kind == "sleep":
         time.sleep(float(seconds))
         return
+    if kind == "python":  # holds the GIL but for the interpreter's switch interval
+        while time.perf_counter() < end:
+            sum(range(1000))
+        return
     a = torch.randn(384, 384)
     while time.perf_counter() < end:
         a = torch.tanh(a @ a)
@@ -98,7 +103,7 @@ def main() -> None:
     p.add_argument("--row-len", type=int, default=32768)
     p.add_argument("--mixes", nargs="+", default=list(MIXES))
     p.add_argument("--ranks", type=int, default=4, help="ranks sampled per world (host ms: their max)")
-    p.add_argument("--step", default="sleep:2.0", help="the stand-in step: sleep:S or matmul:S (seconds)")
+    p.add_argument("--step", default="sleep:2.0", help="the stand-in step: sleep:S, matmul:S or python:S (seconds)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     torch.set_num_threads(1)
