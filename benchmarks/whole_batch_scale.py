@@ -17,7 +17,13 @@ of 32k-token rows packed best fit decreasing (the rows' leftover room is padding
   matmuls, which release the GIL in the kernel but not between calls; ``python:S``: S seconds of a
   pure-Python loop, which holds it).
 
-Everything runs in this process on one thread (plus the planning thread), CPU, `kernel="auto"` (sdpa
+``--world4``: the prefetched step itself on 4 gloo ranks (dp 2 x cp 2, ``--steps`` micro-batches of
+``--mixes``' first mix, 32k-token rows), a sleep of ``--step``'s seconds standing in for each step's
+forward and backward: per step, the seconds `make_cp_world_batch_and_ctx` takes (no prefetch) against
+the seconds the loop waits in ``next()`` under `prefetched_world_steps` (its agreement, the wait for
+the plan, the token exchange), the max over ranks, median over the steps after the first.
+
+Everything else runs in this process on one thread (plus the planning thread), CPU, `kernel="auto"` (sdpa
 here); the per-rank state is the one `make_cp_world_batch_and_ctx` builds on that rank (a test checks).
 """
 
@@ -95,6 +101,54 @@ def measure(world: int, mix: str, args: argparse.Namespace) -> tuple[float, floa
     return max(host), planning, blocking, world_plan.row.seq_len
 
 
+def world4_worker(rank: int, world: int, batches: list, step: str) -> tuple[list[float], list[float]]:
+    """Seconds each step's setup blocks on this rank: without prefetch, and in `prefetched_world_steps`."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from blockdiag_cp import make_cp_world_batch_and_ctx
+    from blockdiag_cp.step.prefetch import prefetched_world_steps
+    from blockdiag_cp.testing import doc_ids_from_lengths
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "cp"))
+    d = mesh.get_local_rank("dp")
+    config = CPConfig(layout="grouped", plan=PlanOptions(ranks_per_node=8))
+
+    def batch_of(rows):
+        ids = doc_ids_from_lengths(rows[d])
+        return {"input_ids": torch.arange(ids.numel())[None] % 1000, "_packed_seq_ids": ids[None]}
+
+    plain = []
+    for rows in batches:
+        t0 = time.perf_counter()
+        make_cp_world_batch_and_ctx(mesh, batch_of(rows), config=config)
+        plain.append(time.perf_counter() - t0)
+        stand_in_step(step)
+    prefetched, steps = [], prefetched_world_steps(mesh, (batch_of(rows) for rows in batches), config=config)
+    while True:
+        t0 = time.perf_counter()
+        if next(steps, None) is None:
+            break
+        prefetched.append(time.perf_counter() - t0)
+        stand_in_step(step)
+    return plain, prefetched
+
+
+def world4(args: argparse.Namespace) -> None:
+    from blockdiag_cp.testing import spawn
+
+    batches = [replica_rows(args.mixes[0], 2, args.row_len, args.seed + i) for i in range(args.steps)]
+    per_rank = spawn(world4_worker, 4, batches, args.step, timeout=600)
+    plain = [max(r[0][i] for r in per_rank) for i in range(args.steps)]
+    prefetched = [max(r[1][i] for r in per_rank) for i in range(args.steps)]
+    print(f"world 4 (dp 2 x cp 2, {args.mixes[0]}, {args.steps} steps, stand-in {args.step}): per step, the max over "
+          f"ranks; median of steps 2..{args.steps}")
+    print(f"  without prefetch: make_cp_world_batch_and_ctx {np.median(plain[1:]) * 1e3:.1f} ms "
+          f"(each: {', '.join(f'{t * 1e3:.1f}' for t in plain)})")
+    print(f"  prefetched: blocking ms {np.median(prefetched[1:]) * 1e3:.1f} "
+          f"(each: {', '.join(f'{t * 1e3:.1f}' for t in prefetched)}; the first plans in line)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[64, 256, 1024])
@@ -105,8 +159,12 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=4, help="ranks sampled per world (host ms: their max)")
     p.add_argument("--step", default="sleep:2.0", help="the stand-in step: sleep:S, matmul:S or python:S (seconds)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--world4", action="store_true", help="the prefetched step on 4 gloo ranks instead (see above)")
+    p.add_argument("--steps", type=int, default=5, help="micro-batches of --world4")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.world4:
+        return world4(args)
     print(f"| world | dp x cp | lengths | tokens | host ms per rank (max of {args.ranks}) | planning s | "
           f"blocking ms ({args.step}) |")
     print("|---|---|---|---|---|---|---|")

@@ -7,12 +7,13 @@ Note [A rank's step without a process group]) needs only the micro-batch's run l
 soon as it is sampled. For micro-batches ``b0, b1, ...`` the loop runs, on the main thread:
 
     agree(b0); submit plan(b0)
-    agree(b1); submit plan(b1); wait plan(b0); move(b0); yield step 0    <- the caller runs b0
-    agree(b2); submit plan(b2); wait plan(b1); move(b1); yield step 1    <- plan(b1) ran beside b0
+    wait plan(b0); move(b0); agree(b1); submit plan(b1); yield step 0    <- the caller runs b0
+    wait plan(b1); move(b1); agree(b2); submit plan(b2); yield step 1    <- plan(b1) ran beside b0
     ...
 
 ``agree`` is the step's own small all-gathers of run lengths (collectives stay on the main thread,
-in the same order on every rank); ``plan`` runs on one background thread and starts no collective
+in the same order on every rank; the next plan is submitted after the token exchange, so that it
+does not compete with it for the interpreter); ``plan`` runs on one background thread and starts no collective
 (no NCCL warm-up: the agreement's all-gathers already ran on the group); ``move`` is the token
 exchange. The planning is numpy and torch work that releases the GIL for its large operations, so
 it overlaps a step that waits on a device, a collective or a sleep; a step that holds the GIL in
@@ -97,12 +98,12 @@ def prefetched_world_steps(mesh, batches: Iterable[dict[str, Any]], *, config: O
         first = next(it, None)
         pending = None if first is None else _start(first, view, device, config, seq_dims, planner)
         while pending is not None:
-            after = next(it, None)
-            following = None if after is None else _start(after, view, device, config, seq_dims, planner)
             t0 = time.perf_counter()
             built: RankStep = pending.plan.result()
             blocking = time.perf_counter() - t0
             _finish(pending, built, view, padding_token_id)
+            after = next(it, None)  # planned from here on, beside the step the caller now runs
+            following = None if after is None else _start(after, view, device, config, seq_dims, planner)
             yield PrefetchedStep(TrainCtx(built.state, built.replica_of_row), pending.batch, blocking)
             pending = following
 
