@@ -36,10 +36,10 @@ from ..parallel.heads import HeadGroups, head_groups, make_head_groups
 from ..plan.cost import candidate_degrees
 from .pipeline import TrainCtx, mesh_device, read_row, step_head_groups, take_row_inputs
 from .inputs import warn_unsharded
-from .world import GlobalRow, WholeBatch, WorldView, _plan, _replica_runs
+from .world import GlobalRow, WholeBatch, WorldView, plan_global_row, gather_replica_runs
 from .world_plan import RankStep, build_rank_step
 
-__all__ = ["PrefetchedStep", "prefetched_world_steps"]
+__all__ = ("PrefetchedStep", "prefetched_world_steps")
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def _start(batch: dict[str, Any], view: WorldView, device: torch.device, config:
     head groups made; then its planning submitted to the background thread."""
     take_row_inputs(batch, None)
     seq_dims, S, doc_ids_1S, problem = read_row(batch, seq_dims, config, view.world)
-    runs = _replica_runs(doc_ids_1S, view, config, device, problem)
+    runs = gather_replica_runs(doc_ids_1S, view, config, device, problem)
     warn_unsharded(batch, S, seq_dims)
     if batch.get("position_ids") is None:
         batch["position_ids"] = torch.arange(S, device=doc_ids_1S.device).unsqueeze(0)
@@ -132,7 +132,7 @@ def _plan_rank(agreed: _Agreed, view: WorldView, device: torch.device, config: C
     """The background thread's part: the global row, its plan, this rank's state and token route (no collective)."""
     row = GlobalRow.of(agreed.runs, view)
     heads = agreed.heads or step_head_groups(row.doc_ids, view.world, view.rank, view.group, config)
-    return build_rank_step(row, _plan(row, view.world, config), view, config, device, heads, warm_up=False)
+    return build_rank_step(row, plan_global_row(row, view.world, config), view, config, device, heads, warm_up=False)
 
 
 def _finish(pending: _Pending, built: RankStep, view: WorldView, padding_token_id: int) -> None:

@@ -26,9 +26,9 @@ from ..errors import CPTypeError
 from ..parallel.heads import HeadGroups
 from ..plan import ShardPlan
 from .state import StepState, build_step_state
-from .world import GlobalRow, WorldView, _plan, _TokenRoute
+from .world import GlobalRow, WorldView, plan_global_row, TokenRoute
 
-__all__ = ["RankStep", "WorldStepPlan", "build_rank_step", "plan_rank_state", "plan_world_step"]
+__all__ = ("RankStep", "WorldStepPlan", "build_rank_step", "plan_rank_state", "plan_world_step")
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class RankStep:
     """
 
     state: StepState
-    route: _TokenRoute
+    route: TokenRoute
     replica_of_row: torch.Tensor
     row: GlobalRow
 
@@ -80,7 +80,7 @@ def build_rank_step(row: GlobalRow, plan: ShardPlan, view: WorldView, config: CP
     collective unless `warm_up` on NCCL, Note [A rank's step without a process group])."""
     state = build_step_state(row.doc_ids.to(device), view.world, view.rank, view.group, config, device, heads, plan,
                              warm_up)
-    route = _TokenRoute.build(row, plan, view)
+    route = TokenRoute.build(row, plan, view)
     return RankStep(state, route, row.replica_of(plan.rank_positions(view.rank)).to(device), row)
 
 
@@ -99,7 +99,7 @@ def plan_world_step(replica_lengths: Sequence[Sequence[int]], dp: int, cp: int,
     runs = _runs_of(replica_lengths, dp, cp)
     view = _view(dp, cp, 0)
     row = GlobalRow.of([runs[r // cp] for r in range(dp * cp)], view)
-    return WorldStepPlan(row, _plan(row, dp * cp, config), dp, cp, config)
+    return WorldStepPlan(row, plan_global_row(row, dp * cp, config), dp, cp, config)
 
 
 def plan_rank_state(replica_lengths: Sequence[Sequence[int]], dp: int, cp: int, rank: int,
