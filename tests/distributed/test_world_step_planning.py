@@ -142,3 +142,31 @@ def test_prefetched_steps_equal_the_steps_without_prefetch(dp, exchange, rank_po
                 {k: v for k, v in b.items() if k not in ("out", "grad")}
             assert torch.equal(a["out"], b["out"]) and torch.equal(a["grad"], b["grad"])
             assert a["grad"].abs().sum() > 0
+
+
+def bad_second_batch_worker(rank, world):
+    """The second micro-batch of replica 1 has no input tensor: every rank raises when it asks for that step."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from blockdiag_cp.step.prefetch import prefetched_world_steps
+    from blockdiag_cp.testing import doc_ids_from_lengths
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "cp"))
+    ids = doc_ids_from_lengths((3, 4, -1))[None]
+    batches = [{"input_ids": torch.ones_like(ids), "_packed_seq_ids": ids}, {"_packed_seq_ids": ids.clone()}]
+    if rank == 0:
+        batches[1]["input_ids"] = torch.ones_like(ids)
+    got = []
+    try:
+        for step in prefetched_world_steps(mesh, batches):
+            got.append(step.batch["input_ids"].shape[1])
+    except ValueError as exc:
+        return got, str(exc)
+    return got, None
+
+
+def test_a_bad_batch_raises_on_every_rank_at_its_step(rank_pools):
+    (got0, error0), (got1, error1) = rank_pools(2).run(bad_second_batch_worker)
+    assert len(got0) == len(got1) == 1  # the first step ran on both ranks
+    assert "rank(s) [1] of the mesh rejected their batch" in error0
+    assert "'input_ids'" in error1

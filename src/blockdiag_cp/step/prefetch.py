@@ -6,29 +6,38 @@ A whole-batch step's planning (the global row, its plan, this rank's state and t
 Note [A rank's step without a process group]) needs only the micro-batch's run lengths, known as
 soon as it is sampled. For micro-batches ``b0, b1, ...`` the loop runs, on the main thread:
 
-    agree(b0); submit plan(b0)
-    wait plan(b0); move(b0); agree(b1); submit plan(b1); yield step 0    <- the caller runs b0
-    wait plan(b1); move(b1); agree(b2); submit plan(b2); yield step 1    <- plan(b1) ran beside b0
+    submit agree+plan(b0)
+    wait(b0); move(b0); submit agree+plan(b1); yield step 0    <- the caller runs b0
+    wait(b1); move(b1); submit agree+plan(b2); yield step 1    <- b1 agreed and planned beside b0
     ...
 
-``agree`` is the step's own small all-gathers of run lengths (collectives stay on the main thread,
-in the same order on every rank; the next plan is submitted after the token exchange, so that it
-does not compete with it for the interpreter); ``plan`` runs on one background thread and starts no collective
-(no NCCL warm-up: the agreement's all-gathers already ran on the group); ``move`` is the token
-exchange. The planning is numpy and torch work that releases the GIL for its large operations, so
-it overlaps a step that waits on a device, a collective or a sleep; a step that holds the GIL in
-Python (a CPU model's eager dispatch) shares the interpreter with it. Each step equals the step
-`make_cp_world_batch_and_ctx` builds for the same batch.
+``agree`` is the step's small all-gathers of run lengths (Note [Ranks agree]: every rank raises alike
+on a bad batch, here when it asks for that batch's step); it runs on the background thread over a
+gloo group of the mesh's ranks made for it, so no collective of the step's own group leaves the main
+thread (every rank submits the batches in the same order: the group's collectives match). ``plan``
+(the global row, its plan, the rank's state and token route) starts no collective (no NCCL warm-up:
+the step's first operation on its group is the token exchange, after its group's earlier steps).
+``move`` is the token exchange, on the main thread; the next micro-batch is submitted after it, so
+that the planning does not compete with it for the interpreter. The loop's blocking work per step is
+then the wait for a plan not yet done (`PrefetchedStep.blocking_s`) and the token exchange.
+
+The planning is numpy and torch work that releases the GIL for its large operations, so it overlaps
+a step that waits on a device, on collectives or in a sleep; a step that holds the GIL in Python (a
+CPU model's eager dispatch) shares the interpreter with it. On a GPU the batch's document ids are
+copied to the host on the main thread (as the step without prefetch reads them). Each step equals
+the step `make_cp_world_batch_and_ctx` builds for the same batch.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 
 from ..config import CPConfig
 from ..errors import CPTypeError
@@ -66,12 +75,14 @@ class _Pending:
 
 @dataclass(frozen=True)
 class _Agreed:
-    """What the main thread settled for a micro-batch before planning it: its runs, heads, inputs."""
+    """What the main thread read of a micro-batch before its agreement and planning: its document ids (CPU) or
+    the problem with it, its head groups, its inputs."""
 
-    runs: list
+    doc_ids_1S: Optional[torch.Tensor]
+    problem: Optional[Exception]
     heads: Optional[HeadGroups]
     seq_dims: Mapping[str, int]
-    batch_device: torch.device
+    batch_device: Optional[torch.device]
 
 
 def prefetched_world_steps(mesh, batches: Iterable[dict[str, Any]], *, config: Optional[CPConfig] = None,
@@ -93,44 +104,56 @@ def prefetched_world_steps(mesh, batches: Iterable[dict[str, Any]], *, config: O
     if not isinstance(config, CPConfig):
         raise CPTypeError(f"config must be a CPConfig, got {type(config).__name__}")
     view, device = WorldView.of(mesh), mesh_device(mesh)
-    with ThreadPoolExecutor(1, thread_name_prefix="blockdiag-cp-plan") as planner:
-        it = iter(batches)
-        first = next(it, None)
-        pending = None if first is None else _start(first, view, device, config, seq_dims, planner)
-        while pending is not None:
-            t0 = time.perf_counter()
-            built: RankStep = pending.plan.result()
-            blocking = time.perf_counter() - t0
-            _finish(pending, built, view, padding_token_id)
-            after = next(it, None)  # planned from here on, beside the step the caller now runs
-            following = None if after is None else _start(after, view, device, config, seq_dims, planner)
-            yield PrefetchedStep(TrainCtx(built.state, built.replica_of_row), pending.batch, blocking)
-            pending = following
+    lengths = replace(view, group=dist.new_group(sorted(mesh.mesh.flatten().tolist()), backend="gloo",
+                                                 use_local_synchronization=True))
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="blockdiag-cp-plan") as planner:
+            submit = functools.partial(_start, view=view, lengths=lengths, device=device, config=config,
+                                       seq_dims=seq_dims, planner=planner)
+            it = iter(batches)
+            first = next(it, None)
+            pending = None if first is None else submit(first)
+            while pending is not None:
+                t0 = time.perf_counter()
+                built: RankStep = pending.plan.result()
+                blocking = time.perf_counter() - t0
+                _finish(pending, built, view, padding_token_id)
+                after = next(it, None)  # agreed and planned from here on, beside the step the caller now runs
+                following = None if after is None else submit(after)
+                yield PrefetchedStep(TrainCtx(built.state, built.replica_of_row), pending.batch, blocking)
+                pending = following
+    finally:
+        dist.destroy_process_group(lengths.group)
 
 
-def _start(batch: dict[str, Any], view: WorldView, device: torch.device, config: CPConfig, seq_dims,
-           planner: ThreadPoolExecutor) -> _Pending:
-    """The main thread's part ahead of a micro-batch: its inputs read, the ranks' agreement (collectives), its
-    head groups made; then its planning submitted to the background thread."""
+def _start(batch: dict[str, Any], *, view: WorldView, lengths: WorldView, device: torch.device, config: CPConfig,
+           seq_dims, planner: ThreadPoolExecutor) -> _Pending:
+    """The main thread's part ahead of a micro-batch: its inputs read, its head groups made; then its agreement
+    and planning submitted to the background thread."""
     take_row_inputs(batch, None)
     seq_dims, S, doc_ids_1S, problem = read_row(batch, seq_dims, config, view.world)
-    runs = gather_replica_runs(doc_ids_1S, view, config, device, problem)
-    warn_unsharded(batch, S, seq_dims)
-    if batch.get("position_ids") is None:
-        batch["position_ids"] = torch.arange(S, device=doc_ids_1S.device).unsqueeze(0)
+    if problem is None:
+        warn_unsharded(batch, S, seq_dims)
+        if batch.get("position_ids") is None:
+            batch["position_ids"] = torch.arange(S, device=doc_ids_1S.device).unsqueeze(0)
     degree = config.heads.ulysses_degree
     if degree == "auto":  # every candidate's groups now; the planner picks among them without a collective
         make_head_groups(view.group, view.world, view.rank, candidate_degrees(view.world, config.heads.attention_heads[0]))
         heads = None
     else:
         heads = head_groups(view.group, view.world, view.rank, degree)
-    agreed = _Agreed(runs, heads, seq_dims, doc_ids_1S.device)
-    return _Pending(batch, agreed, planner.submit(_plan_rank, agreed, view, device, config))
+    ids = None if doc_ids_1S is None else doc_ids_1S.cpu()
+    agreed = _Agreed(ids, problem, heads, seq_dims, None if doc_ids_1S is None else doc_ids_1S.device)
+    return _Pending(batch, agreed, planner.submit(_agree_and_plan, agreed, view, lengths, device, config))
 
 
-def _plan_rank(agreed: _Agreed, view: WorldView, device: torch.device, config: CPConfig) -> RankStep:
-    """The background thread's part: the global row, its plan, this rank's state and token route (no collective)."""
-    row = GlobalRow.of(agreed.runs, view)
+def _agree_and_plan(agreed: _Agreed, view: WorldView, lengths: WorldView, device: torch.device,
+                    config: CPConfig) -> RankStep:
+    """The background thread's part: the ranks' agreement over the step's own gloo group (`lengths.group`; every
+    rank raises alike on a bad batch), then the global row, its plan, this rank's state and token route (with
+    no collective on the step's group)."""
+    runs = gather_replica_runs(agreed.doc_ids_1S, lengths, config, torch.device("cpu"), agreed.problem)
+    row = GlobalRow.of(runs, view)
     heads = agreed.heads or step_head_groups(row.doc_ids, view.world, view.rank, view.group, config)
     return build_rank_step(row, plan_global_row(row, view.world, config), view, config, device, heads, warm_up=False)
 
