@@ -15,8 +15,9 @@ soon as it is sampled. For micro-batches ``b0, b1, ...`` the loop runs, on the m
 on a bad batch, here when it asks for that batch's step); it runs on the background thread over a
 gloo group of the mesh's ranks made for it, so no collective of the step's own group leaves the main
 thread (every rank submits the batches in the same order: the group's collectives match). ``plan``
-(the global row, its plan, the rank's state and token route) starts no collective (no NCCL warm-up:
-the step's first operation on its group is the token exchange, after its group's earlier steps).
+(the global row, its plan, the rank's state and token route) starts no collective (no NCCL warm-up
+there: the loop makes one all-reduce on the step's group when it starts, so the token exchange, the
+first point-to-point, never opens an NCCL communicator).
 ``move`` is the token exchange, on the main thread; the next micro-batch is submitted after it, so
 that the planning does not compete with it for the interpreter. The loop's blocking work per step is
 then the wait for a plan not yet done (`PrefetchedStep.blocking_s`) and the token exchange.
@@ -104,6 +105,8 @@ def prefetched_world_steps(mesh, batches: Iterable[dict[str, Any]], *, config: O
     if not isinstance(config, CPConfig):
         raise CPTypeError(f"config must be a CPConfig, got {type(config).__name__}")
     view, device = WorldView.of(mesh), mesh_device(mesh)
+    if "nccl" in str(dist.get_backend(view.group)):  # point-to-point must not be a communicator's first operation
+        dist.all_reduce(torch.zeros(1, device=device), group=view.group)
     lengths = replace(view, group=dist.new_group(sorted(mesh.mesh.flatten().tolist()), backend="gloo",
                                                  use_local_synchronization=True))
     try:
