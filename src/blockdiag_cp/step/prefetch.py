@@ -31,7 +31,6 @@ the step `make_cp_world_batch_and_ctx` builds for the same batch.
 
 from __future__ import annotations
 
-import functools
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -49,7 +48,7 @@ from .inputs import warn_unsharded
 from .world import GlobalRow, WholeBatch, WorldView, plan_global_row, gather_replica_runs
 from .world_plan import RankStep, build_rank_step
 
-__all__ = ("PrefetchedStep", "prefetched_world_steps")
+__all__ = ("PrefetchedStep", "WorldStepPrefetcher", "prefetched_world_steps")
 
 
 @dataclass(frozen=True)
@@ -86,11 +85,54 @@ class _Agreed:
     batch_device: Optional[torch.device]
 
 
+class WorldStepPrefetcher:
+    """The whole-batch step with its agreement and planning on a background thread (Note [Planning off the
+    critical path]): `submit` a micro-batch as soon as it is sampled, `step` it when its turn comes. Every rank
+    submits the same micro-batches in the same order and steps them in that order; `close` when done.
+
+    Args:
+        mesh, config, seq_dims: as for `make_cp_world_batch_and_ctx` (made once: one gloo group of the mesh's
+            ranks for the agreements, one planning thread).
+    """
+
+    def __init__(self, mesh, *, config: Optional[CPConfig] = None,
+                 seq_dims: Optional[Mapping[str, int]] = None) -> None:
+        config = CPConfig(layout="grouped") if config is None else config
+        if not isinstance(config, CPConfig):
+            raise CPTypeError(f"config must be a CPConfig, got {type(config).__name__}")
+        self.view, self.device, self.config, self.seq_dims = WorldView.of(mesh), mesh_device(mesh), config, seq_dims
+        if "nccl" in str(dist.get_backend(self.view.group)):  # point-to-point must not be a communicator's first
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.view.group)
+        self.lengths = replace(self.view, group=dist.new_group(sorted(mesh.mesh.flatten().tolist()), backend="gloo",
+                                                               use_local_synchronization=True))
+        self.planner = ThreadPoolExecutor(1, thread_name_prefix="blockdiag-cp-plan")
+
+    def submit(self, batch: dict[str, Any]) -> _Pending:
+        """Start the agreement and planning of `batch` (this replica's row, as `make_cp_world_batch_and_ctx`
+        takes it, a ``loss_mask`` in it); `batch` becomes its shard in `step`."""
+        return _start(batch, view=self.view, lengths=self.lengths, device=self.device, config=self.config,
+                      seq_dims=self.seq_dims, planner=self.planner)
+
+    def step(self, pending: _Pending, padding_token_id: int = 0) -> PrefetchedStep:
+        """The step of a submitted micro-batch: its plan awaited, its rows exchanged (a bad batch on any rank
+        raises here on every rank)."""
+        t0 = time.perf_counter()
+        built: RankStep = pending.plan.result()
+        blocking = time.perf_counter() - t0
+        _finish(pending, built, self.view, padding_token_id)
+        return PrefetchedStep(TrainCtx(built.state, built.replica_of_row), pending.batch, blocking)
+
+    def close(self) -> None:
+        """Wait for the submitted plans, stop the thread, destroy the agreements' group."""
+        self.planner.shutdown(wait=True)
+        dist.destroy_process_group(self.lengths.group)
+
+
 def prefetched_world_steps(mesh, batches: Iterable[dict[str, Any]], *, config: Optional[CPConfig] = None,
                            padding_token_id: int = 0,
                            seq_dims: Optional[Mapping[str, int]] = None) -> Iterator[PrefetchedStep]:
-    """The whole-batch step of each of `batches`, the next one planned while the caller runs the current one
-    (Note [Planning off the critical path]).
+    """The whole-batch step of each of `batches`, the next one agreed and planned while the caller runs the
+    current one (Note [Planning off the critical path]).
 
     Args:
         mesh, config, padding_token_id, seq_dims: as for `make_cp_world_batch_and_ctx`.
@@ -99,34 +141,20 @@ def prefetched_world_steps(mesh, batches: Iterable[dict[str, Any]], *, config: O
 
     Yields:
         `PrefetchedStep` per micro-batch: run its forward and backward inside ``step.train_ctx()`` before
-        asking for the next (the next's agreement is a collective on the mesh's group).
+        asking for the next.
     """
-    config = CPConfig(layout="grouped") if config is None else config
-    if not isinstance(config, CPConfig):
-        raise CPTypeError(f"config must be a CPConfig, got {type(config).__name__}")
-    view, device = WorldView.of(mesh), mesh_device(mesh)
-    if "nccl" in str(dist.get_backend(view.group)):  # point-to-point must not be a communicator's first operation
-        dist.all_reduce(torch.zeros(1, device=device), group=view.group)
-    lengths = replace(view, group=dist.new_group(sorted(mesh.mesh.flatten().tolist()), backend="gloo",
-                                                 use_local_synchronization=True))
+    prefetcher = WorldStepPrefetcher(mesh, config=config, seq_dims=seq_dims)
     try:
-        with ThreadPoolExecutor(1, thread_name_prefix="blockdiag-cp-plan") as planner:
-            submit = functools.partial(_start, view=view, lengths=lengths, device=device, config=config,
-                                       seq_dims=seq_dims, planner=planner)
-            it = iter(batches)
-            first = next(it, None)
-            pending = None if first is None else submit(first)
-            while pending is not None:
-                t0 = time.perf_counter()
-                built: RankStep = pending.plan.result()
-                blocking = time.perf_counter() - t0
-                _finish(pending, built, view, padding_token_id)
-                after = next(it, None)  # agreed and planned from here on, beside the step the caller now runs
-                following = None if after is None else submit(after)
-                yield PrefetchedStep(TrainCtx(built.state, built.replica_of_row), pending.batch, blocking)
-                pending = following
+        it = iter(batches)
+        first = next(it, None)
+        pending = None if first is None else prefetcher.submit(first)
+        while pending is not None:
+            step = prefetcher.step(pending, padding_token_id)
+            after = next(it, None)  # agreed and planned from here on, beside the step the caller now runs
+            pending = None if after is None else prefetcher.submit(after)
+            yield step
     finally:
-        dist.destroy_process_group(lengths.group)
+        prefetcher.close()
 
 
 def _start(batch: dict[str, Any], *, view: WorldView, lengths: WorldView, device: torch.device, config: CPConfig,
