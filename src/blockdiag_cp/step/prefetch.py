@@ -26,7 +26,8 @@ The planning is numpy and torch work that releases the GIL for its large operati
 a step that waits on a device, on collectives or in a sleep; a step that holds the GIL in Python (a
 CPU model's eager dispatch) shares the interpreter with it. On a GPU the batch's document ids are
 copied to the host on the main thread (as the step without prefetch reads them). Each step equals
-the step `make_cp_world_batch_and_ctx` builds for the same batch.
+the step `make_cp_world_batch_and_ctx` builds for the same batch. `WorldStepPrefetcher` is the loop as
+an object (the Trainer mixin submits an optimizer step's micro-batches as the Trainer fetches them).
 """
 
 from __future__ import annotations
