@@ -57,7 +57,9 @@ if _typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time each n
     from .step.gather import gather_sequence
     from .step.slot import current_step
     from .step.state import StepState
+    from .step.prefetch import prefetched_world_steps
     from .step.world import make_cp_world_batch_and_ctx
+    from .step.world_plan import plan_rank_state
 
 __version__ = "0.11.0"
 
@@ -75,7 +77,9 @@ __all__ = (
     "make_cp_batch_and_ctx",
     "make_cp_blockdiag_batch_and_ctx",
     "make_cp_world_batch_and_ctx",
+    "plan_rank_state",
     "plan_shards",
+    "prefetched_world_steps",
     "resolve_doc_ids",
 )
 
@@ -96,7 +100,9 @@ _HOMES = _types.MappingProxyType({
     "make_cp_batch_and_ctx": ".step.batch",
     "make_cp_blockdiag_batch_and_ctx": ".step.batch",
     "make_cp_world_batch_and_ctx": ".step.world",
+    "plan_rank_state": ".step.world_plan",
     "plan_shards": ".plan",
+    "prefetched_world_steps": ".step.prefetch",
     "resolve_doc_ids": ".step.doc_ids",
 })
 

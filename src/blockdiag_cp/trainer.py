@@ -190,6 +190,15 @@ class BlockDiagCPMixin:
         (Note [Scoring forwards under CP] in hf/scoring.py)."""
         return self._strategy.step_inputs(model, inputs)
 
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The Trainer's micro-batches of one optimizer step; in the whole-batch mode each is agreed and
+        planned on a background thread while the ones before it train (Note [Planning off the critical path])."""
+        samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        prefetch = getattr(self._strategy, "prefetch", None)
+        if prefetch is not None:
+            prefetch(samples)
+        return samples, num_items
+
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch: Any = None):
         """The Trainer's (or TRL's) loss, every path of it normalized as without CP (Note [Losses outside the
         model under CP] in hf/losses.py); TRL's logged ``num_tokens`` then counts the real tokens of the step,

@@ -211,6 +211,8 @@ def test_plan_whole_batch_projects_fixed_rows_against_the_grouped_plan(tmp_path,
     assert 0.9 < float(grouped[1]) < 1.1  # x ideal
     assert float(grouped[3]) <= 1.25 + 1e-3  # tokens max/mean under the cap
     assert "Projected: the grouped plan is" in out and "x faster than fixed rows" in out
+    host = [line for line in out.splitlines() if line.startswith("Host work per rank: ")]
+    assert len(host) == 1 and float(host[0].split()[4]) > 0
 
 
 def test_plan_counts_mla_values_at_their_own_head_dim(capsys):

@@ -24,6 +24,7 @@ from ..loss import IGNORE_INDEX
 from ..step.batch import make_cp_blockdiag_batch_and_ctx
 from ..step.rows import flatten_rows
 from ..step.slot import current_step
+from ..step.prefetch import WorldStepPrefetcher
 from ..step.world import make_cp_world_batch_and_ctx
 from .losses import RowsStep, ShardLabelSmoother, UnshardedLossFunction, rescale_shard_mean, unshard_rows
 from .metrics import FusedOutputs, kept_totals, logged_metrics, token_fields
@@ -32,6 +33,33 @@ from .moe import BalanceStep, RouterBalance, aux_loss_enabled
 from .neftune import NeftuneUnderCP, NoiseRows
 from .scoring import STEP_ONLY_KEYS
 from .whole_batch import refuse_per_replica_losses
+
+
+@dataclasses.dataclass(frozen=True)
+class _FlatRows:
+    """A collator's batch as the step takes it: one packed row (`flatten_rows`), with what the loss paths
+    keep of the rows before sharding.
+
+    Attributes:
+        batch: the packed row's tensors on the device; rows: ``(B, S)`` of the collator's rows;
+        targets: the row's target count (None without ``shift_labels``); labels: the collator's labels.
+    """
+
+    batch: dict[str, Any]
+    rows: tuple[int, int]
+    targets: Optional[torch.Tensor]
+    labels: Optional[torch.Tensor]
+
+    @staticmethod
+    def of(inputs: dict[str, Any], device: Any) -> "_FlatRows":
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        primary = batch.get("input_ids", batch.get("inputs_embeds"))
+        rows = tuple(primary.shape[:2]) if isinstance(primary, torch.Tensor) and primary.dim() >= 2 else (1, 0)
+        labels = batch.get("labels")
+        batch = flatten_rows(batch)
+        shifted = batch.get("shift_labels")
+        targets = (shifted != IGNORE_INDEX).sum() if isinstance(shifted, torch.Tensor) else None  # before sharding
+        return _FlatRows(batch, rows, targets, labels if isinstance(labels, torch.Tensor) else None)
 
 
 class RowsStrategy:
@@ -52,6 +80,8 @@ class RowsStrategy:
         self.trainer = trainer
         self.step: Optional[RowsStep] = None
         self.router_balance: Optional[RouterBalance] = None
+        self.prefetcher: Optional[WorldStepPrefetcher] = None
+        self.prefetched: dict[int, tuple[dict[str, Any], _FlatRows, Any]] = {}
 
     @staticmethod
     def prepare_args(training_args: Any, cp_size: int) -> None:
@@ -108,26 +138,42 @@ class RowsStrategy:
     # -- the Trainer's hooks -------------------------------------------------------------
 
     def step_inputs(self, model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[Callable, dict[str, Any]]:
-        """Flatten, shard and return ``(train_ctx, inputs)`` (the Trainer's ``_prepare_context_parallel_inputs``)."""
+        """Flatten, shard and return ``(train_ctx, inputs)`` (the Trainer's ``_prepare_context_parallel_inputs``);
+        in the whole-batch mode a micro-batch `prefetch` submitted takes its prefetched plan."""
         t = self.trainer
-        batch = {k: v.to(t.args.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-        primary = batch.get("input_ids", batch.get("inputs_embeds"))
-        rows = tuple(primary.shape[:2]) if isinstance(primary, torch.Tensor) and primary.dim() >= 2 else (1, 0)
-        labels = batch.get("labels")
-        batch = flatten_rows(batch)
-        shifted = batch.get("shift_labels")
-        targets = (shifted != IGNORE_INDEX).sum() if isinstance(shifted, torch.Tensor) else None  # before sharding
-        if t.whole_batch and model.training and t.world_mesh is not None:  # every replica's rows over all
-            # ranks (hf/whole_batch.py)
-            train_ctx, batch = make_cp_world_batch_and_ctx(t.world_mesh, batch, config=t.cp_config, seq_dims=t.seq_dims)
+        ticket = self.prefetched.pop(id(inputs), None)
+        world = t.whole_batch and model.training and t.world_mesh is not None
+        if ticket is not None and ticket[0] is inputs and world:
+            flat = ticket[1]
+            step = self.prefetcher.step(ticket[2])
+            train_ctx, batch = step.train_ctx, step.batch
         else:
-            train_ctx, batch = make_cp_blockdiag_batch_and_ctx(t.cp_mesh, None, batch, config=t.cp_config,
+            flat = _FlatRows.of(inputs, t.args.device)
+            if world:  # every replica's rows over all ranks (hf/whole_batch.py)
+                train_ctx, batch = make_cp_world_batch_and_ctx(t.world_mesh, flat.batch, config=t.cp_config,
                                                                seq_dims=t.seq_dims)
-        self.step = RowsStep(train_ctx, rows, batch["padding_mask"], batch.get("shift_labels"), targets,
-                             labels if isinstance(labels, torch.Tensor) else None)
+            else:
+                train_ctx, batch = make_cp_blockdiag_batch_and_ctx(t.cp_mesh, None, flat.batch, config=t.cp_config,
+                                                                   seq_dims=t.seq_dims)
+        self.step = RowsStep(train_ctx, flat.rows, batch["padding_mask"], batch.get("shift_labels"), flat.targets,
+                             flat.labels)
         for key in STEP_ONLY_KEYS:
             batch.pop(key, None)
         return train_ctx, batch
+
+    def prefetch(self, samples: list[dict[str, Any]]) -> None:
+        """The whole-batch mode: the micro-batches of an optimizer step (the Trainer's ``get_batch_samples``),
+        flattened and submitted in order, so that each one's agreement and plan run on the planning thread
+        while the ones before it train (Note [Planning off the critical path]); `step_inputs` takes them."""
+        t = self.trainer
+        if not t.whole_batch or t.world_mesh is None:
+            return
+        if self.prefetcher is None:
+            self.prefetcher = WorldStepPrefetcher(t.world_mesh, config=t.cp_config, seq_dims=t.seq_dims)
+        self.prefetched.clear()  # tickets an evaluation left unused: their plans are dropped alike on every rank
+        for inputs in samples:
+            flat = _FlatRows.of(inputs, t.args.device)
+            self.prefetched[id(inputs)] = (inputs, flat, self.prefetcher.submit(flat.batch))
 
     def compute_loss(self, parent: Callable, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool,
                      num_items_in_batch: Any) -> Any:

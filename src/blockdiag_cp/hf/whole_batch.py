@@ -11,7 +11,9 @@ the loss without CP] in trainer.py): each rank's loss is ``world * (its token su
 ``N`` the micro-batch's global target count, each target of every replica on exactly one rank,
 so the world average is the global token mean; gradients, ``grad_norm`` and the logged loss
 follow. Evaluation and prediction run as with fixed rows (each replica's rows on its CP group),
-so their per-replica gathers are unchanged.
+so their per-replica gathers are unchanged. The micro-batches of an optimizer step, fetched together
+by the Trainer, are agreed and planned on a background thread in order (Note [Planning off the
+critical path]): each one's plan is built while the ones before it train.
 
 A rank's shard now mixes tokens of several replicas, so every loss path whose value is a
 per-replica quantity cannot be computed on it: a per-micro-batch mean (no global token count:

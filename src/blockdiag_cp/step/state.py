@@ -152,7 +152,7 @@ class StepState:
 
 def build_step_state(
     doc_ids_S: torch.Tensor, world: int, rank: int, group: Any, config: CPConfig, device: torch.device,
-    heads: Optional[HeadGroups] = None, plan: Optional[ShardPlan] = None,
+    heads: Optional[HeadGroups] = None, plan: Optional[ShardPlan] = None, warm_up: bool = True,
 ) -> StepState:
     """Plan a step from replicated, validated document ids ``[S]``: layout, exchange, kernel.
 
@@ -161,7 +161,9 @@ def build_step_state(
     one warm-up all-reduce runs when the step's first operation would be point-to-point).
     `heads`: this rank's head-parallel groups (`parallel.heads.head_groups`); None plans
     ``config.heads.ulysses_degree`` (an int) without process groups, as tools do. `plan`: the shard plan
-    when the caller made it already (the whole-batch step plans from lengths), else the layout's.
+    when the caller made it already (the whole-batch step plans from lengths), else the layout's. `warm_up`
+    False: no NCCL warm-up (the prefetching whole-batch step builds states off the main thread, after its
+    agreement's all-gathers ran on the group: no collective may start from there).
     """
     if plan is None:
         plan = make_plan(doc_ids_S.cpu(), world, config.layout, config.plan)
@@ -175,7 +177,7 @@ def build_step_state(
                                                device, None, head_parallel)
     if heads is not None and heads.degree == 1 and heads.reason != "requested":
         exchange_reason = f"ulysses_degree=1 ({heads.reason}); {exchange_reason}"
-    if (head_parallel is None and group is not None and exchange.uses_p2p and not config.check_ranks_agree
+    if (warm_up and head_parallel is None and group is not None and exchange.uses_p2p and not config.check_ranks_agree
             and "nccl" in str(dist.get_backend(group))):
         # NCCL: point-to-point must not be the first operation on a communicator (the ranks-agree
         # check is one otherwise; head-parallel cross groups are warmed when they are made)

@@ -163,7 +163,7 @@ class GlobalRowSource:
     def agree(self, doc_ids_1S: Optional[torch.Tensor], config: CPConfig, problem: Optional[Exception]) -> "WholeBatch":
         """Every replica's run lengths gathered; every rank raises alike when a rank rejected its batch, a
         replica's ranks hold different rows, or the configs differ (Note [The whole-batch step], 1)."""
-        runs = _replica_runs(doc_ids_1S, self.view, config, self.device, problem)
+        runs = gather_replica_runs(doc_ids_1S, self.view, config, self.device, problem)
         row = GlobalRow.of(runs, self.view)
         return WholeBatch(row, self.view, row.doc_ids.to(self.device), doc_ids_1S.device)
 
@@ -183,10 +183,12 @@ class WholeBatch:
     batch_device: torch.device
 
     def plan(self, config: CPConfig) -> ShardPlan:
-        return _plan(self.row, self.view.world, config)
+        return plan_global_row(self.row, self.view.world, config)
 
-    def move(self, batch: dict[str, Any], plan: ShardPlan, padding_token_id: int, seq_dims: Mapping[str, int]) -> None:
-        _move_rows(batch, self.batch_device, self.row, plan, self.view, padding_token_id, seq_dims)
+    def move(self, batch: dict[str, Any], plan: ShardPlan, padding_token_id: int, seq_dims: Mapping[str, int],
+             route: Optional["TokenRoute"] = None) -> None:
+        """`route`: this rank's token route when built already (the prefetching step builds it ahead)."""
+        _move_rows(batch, self.batch_device, self.row, plan, self.view, padding_token_id, seq_dims, route)
 
     def replica_of_row(self, plan: ShardPlan) -> torch.Tensor:
         return self.row.replica_of(plan.rank_positions(self.view.rank)).to(self.doc_ids.device)
@@ -239,7 +241,7 @@ class GlobalRow:
         return replica, (k * cp) // np.maximum(count, 1)
 
 
-def _replica_runs(doc_ids_1S: Optional[torch.Tensor], view: WorldView, config: CPConfig, device: torch.device,
+def gather_replica_runs(doc_ids_1S: Optional[torch.Tensor], view: WorldView, config: CPConfig, device: torch.device,
                   problem: Optional[Exception]) -> list[np.ndarray]:
     """Every rank's replica row as runs ``[runs, 2]`` (length, real), gathered; every rank raises alike when a
     rank rejected its batch, a replica's ranks hold different rows, or the configs differ."""
@@ -277,7 +279,7 @@ def _all_gather(x: torch.Tensor, view: WorldView) -> torch.Tensor:
     return out.reshape(view.world, *x.shape)
 
 
-def _plan(row: GlobalRow, world: int, config: CPConfig) -> ShardPlan:
+def plan_global_row(row: GlobalRow, world: int, config: CPConfig) -> ShardPlan:
     """The global row's plan (the same on every rank): from lengths for the grouped layout."""
     options = config.plan
     if config.layout != "grouped":
@@ -287,9 +289,9 @@ def _plan(row: GlobalRow, world: int, config: CPConfig) -> ShardPlan:
 
 
 def _move_rows(batch: dict[str, Any], device: torch.device, row: GlobalRow, plan: ShardPlan, view: WorldView,
-               padding_token_id: int, seq_dims: Mapping[str, int]) -> None:
+               padding_token_id: int, seq_dims: Mapping[str, int], route: Optional["TokenRoute"] = None) -> None:
     """Replace every sequence-aligned tensor of `batch` by this rank's rows of the global row (Note [...], 3)."""
-    route = _TokenRoute.build(row, plan, view)
+    route = TokenRoute.build(row, plan, view) if route is None else route
     for key in UNSHARDED_ROW_KEYS:
         batch.pop(key, None)
     batch.pop("attention_mask", None)
@@ -310,7 +312,7 @@ def _move_rows(batch: dict[str, Any], device: torch.device, row: GlobalRow, plan
 
 
 @dataclass(frozen=True)
-class _TokenRoute:
+class TokenRoute:
     """Which of this replica's rows this rank sends to each rank, and where what it receives goes."""
 
     send_rows: torch.Tensor  # [T] rows of the replica row, grouped by destination
@@ -322,7 +324,7 @@ class _TokenRoute:
     group: Any
 
     @staticmethod
-    def build(row: GlobalRow, plan: ShardPlan, view: WorldView) -> "_TokenRoute":
+    def build(row: GlobalRow, plan: ShardPlan, view: WorldView) -> "TokenRoute":
         owner = plan.owner().numpy()
         # sends: my part of my replica's real tokens, grouped by the rank that owns each
         d, c = view.replica, view.cp_index
@@ -340,7 +342,7 @@ class _TokenRoute:
         src = np.array([view.rank_at[a][b] for a, b in zip(replica.tolist(), cp_index.tolist())], dtype=np.int64)
         arrival = np.lexsort((positions[real], src))
         recv_splits = np.bincount(src, minlength=view.world) if src.size else np.zeros(view.world, int)
-        return _TokenRoute(torch.from_numpy(send_rows), tuple(int(n) for n in send_splits),
+        return TokenRoute(torch.from_numpy(send_rows), tuple(int(n) for n in send_splits),
                            tuple(int(n) for n in recv_splits), torch.from_numpy(local[real][arrival]), positions.size,
                            torch.from_numpy(local[~real]), view.group)
 

@@ -318,7 +318,30 @@ def run_whole_batch(args: argparse.Namespace) -> int:
           f"the ideal (every document whole, no links, perfectly balanced). Planning: at most "
           f"{max(p.plan_seconds for p in projections):.2f} s per micro-batch of {tokens / 1e6:.2f}M tokens over "
           f"{world} ranks (one core).")
+    print(host_work_line(batches[0], args, options))
     return 0
+
+
+def host_work_line(batch, args: argparse.Namespace, options) -> str:
+    """The host work of one rank's step for the first micro-batch: its state and token route built in this
+    process (`WorldStepPlan.rank_step`), the max over rank 0 and the rank holding the most positions."""
+    import time
+
+    import torch
+
+    from ..config import CPConfig
+    from ..step.world_plan import plan_world_step
+
+    rows = [r.tolist() + ([-(args.row_len - int(r.sum()))] if r.sum() < args.row_len else []) for r in batch]
+    world_plan = plan_world_step(rows, args.dp, args.cp, CPConfig(layout="grouped", plan=options))
+    lens = world_plan.plan.offsets[1:] - world_plan.plan.offsets[:-1]
+    seconds = []
+    for rank in dict.fromkeys([0, int(torch.argmax(lens))]):
+        t0 = time.perf_counter()
+        world_plan.rank_step(rank)
+        seconds.append(time.perf_counter() - t0)
+    return (f"Host work per rank: {max(seconds) * 1e3:.0f} ms per step (its step state and token route from the "
+            f"global row, the max of ranks 0 and the fullest; every rank builds its own, beside the planning).")
 
 
 def whole_batch_table(projections, batches, cp: int, world: int) -> list[str]:
