@@ -26,6 +26,10 @@ from ..loss import IGNORE_INDEX
 
 __all__ = ("linear_ce_sum", "linear_token_log_probs")
 
+#: the default chunk's logits hold at least this many bytes (chunks of a few tokens are slow: each one
+#: updates the whole ``[V, H]`` weight gradient)
+CHUNK_LOGITS_BYTES = 32 << 20
+
 
 def linear_ce_sum(
     hidden_1LH: torch.Tensor, weight_VH: torch.Tensor, targets_1L: torch.Tensor, *,
@@ -42,8 +46,8 @@ def linear_ce_sum(
         bias_V: the head's ``[V]`` bias, if any.
         label_smoothing: transformers' ``LabelSmoother`` factor ``eps`` (Note [A loss that never
             holds the logits]): each token adds ``(1 - eps) * nll + eps * mean_v(-log p_v)``.
-        options: torch's chunking (default ``chunking_method="aspect_ratio"``: a chunk's logits as large
-            as the hidden states).
+        options: torch's chunking (default: chunks of tokens whose logits are as large as the hidden
+            states, as torch's ``chunking_method="aspect_ratio"``, and at least `CHUNK_LOGITS_BYTES`).
 
     Returns:
         The sum (dtype of `hidden_1LH`; float32 or wider once smoothed), to divide by the global count as
@@ -54,7 +58,7 @@ def linear_ce_sum(
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     hidden_NH, targets_N = _chunked_inputs(hidden_1LH, weight_VH, targets_1L, bias_V)
     total = F.linear_cross_entropy(hidden_NH, weight_VH, targets_N, linear_bias=bias_V, reduction="sum",
-                                   ignore_index=IGNORE_INDEX, options=options or _default_options())
+                                   ignore_index=IGNORE_INDEX, options=options or _default_options(hidden_NH, weight_VH))
     if not label_smoothing:
         return total
     return total + label_smoothing * _target_minus_mean_logit(hidden_NH, weight_VH, targets_N, bias_V).sum()
@@ -82,12 +86,15 @@ def linear_token_log_probs(
     if temperature != 1.0:  # logits / T = (h / T) W^T + b / T
         hidden_NH, bias_V = hidden_NH / temperature, None if bias_V is None else bias_V / temperature
     ce_N = F.linear_cross_entropy(hidden_NH, weight_VH, targets_N, linear_bias=bias_V, reduction="none",
-                                  ignore_index=IGNORE_INDEX, options=options or _default_options())
+                                  ignore_index=IGNORE_INDEX, options=options or _default_options(hidden_NH, weight_VH))
     return (-ce_N).reshape(targets_1L.shape), None
 
 
-def _default_options() -> torch.nn.LinearCrossEntropyOptions:
-    return torch.nn.LinearCrossEntropyOptions(chunking_method="aspect_ratio")
+def _default_options(hidden_NH: torch.Tensor, weight_VH: torch.Tensor) -> torch.nn.LinearCrossEntropyOptions:
+    """Chunks of ``max(N H / V, CHUNK_LOGITS_BYTES / (V x itemsize))`` tokens (at most ``N``, at least 1)."""
+    (N, H), V = hidden_NH.shape, weight_VH.shape[0]
+    tokens = max(-(-N * H // V), CHUNK_LOGITS_BYTES // (V * hidden_NH.element_size()))
+    return torch.nn.LinearCrossEntropyOptions(chunking_method=None, batch_chunk_size=max(1, min(N, tokens)))
 
 
 def _chunked_inputs(hidden_1LH: torch.Tensor, weight_VH: torch.Tensor, targets_1L: torch.Tensor,
