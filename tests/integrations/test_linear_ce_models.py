@@ -19,10 +19,31 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
 
 from blockdiag_cp.errors import ModelRefusal  # noqa: E402
-from blockdiag_cp.hf.linear_ce import causal_lm_ce_sum, linear_ce_loss, linear_head  # noqa: E402
-from blockdiag_cp.loss import IGNORE_INDEX  # noqa: E402
+from blockdiag_cp.hf.linear_ce import causal_lm_ce_sum, causal_lm_log_probs, linear_ce_loss, linear_head  # noqa: E402
+from blockdiag_cp.loss import IGNORE_INDEX, token_log_probs  # noqa: E402
 
 VOCAB = 97
+
+
+class ScaledBiasedHead(transformers.LlamaForCausalLM):
+    """Cohere's forward (``logits * self.logit_scale``) with a head bias: the scale must reach the bias too."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=True)
+        self.logit_scale = 0.29
+        self.post_init()
+
+    def forward(self, input_ids=None, position_ids=None, labels=None, **kwargs):
+        hidden_states = self.model(input_ids=input_ids, position_ids=position_ids, **kwargs).last_hidden_state
+        logits = self.lm_head(hidden_states)
+        logits = logits * self.logit_scale
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
 KW = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
           num_key_value_heads=2, max_position_embeddings=256)
 #: name -> (model class, config)
@@ -36,6 +57,7 @@ MODELS = {
     "gemma2 unsoftcapped": ("Gemma2ForCausalLM", lambda: transformers.Gemma2Config(**KW, head_dim=4,
                                                                                    final_logit_softcapping=None)),
     "phi (head bias)": ("PhiForCausalLM", lambda: transformers.PhiConfig(**{**KW, "num_key_value_heads": 4})),
+    "scaled biased head": (ScaledBiasedHead, lambda: transformers.LlamaConfig(**KW)),
 }
 TOL_EXACT, TOL_PLAIN = 1e-10, 1e-6
 
@@ -45,8 +67,8 @@ def build(name: str, attn: str = "eager") -> torch.nn.Module:
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = getattr(transformers, class_name)._from_config(config(), attn_implementation=attn,
-                                                               dtype=torch.float64)
+        model_class = getattr(transformers, class_name) if isinstance(class_name, str) else class_name
+        model = model_class._from_config(config(), attn_implementation=attn, dtype=torch.float64)
     with torch.no_grad():  # random head biases (transformers starts them at zero)
         bias = model.get_output_embeddings().bias
         if bias is not None:
@@ -126,6 +148,46 @@ def test_a_count_divides_the_sum_and_shift_labels_are_taken_as_they_are():
     assert abs(float(divided - want / 7)) <= TOL_EXACT * float(want / 7)
 
 
+class Wrapper(torch.nn.Module):
+    """A wrapper as DDP is one (``.module``): the model inside is read, the wrapper is called."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        self.calls = 0
+
+    def forward(self, **kwargs):
+        self.calls += 1
+        return self.module(**kwargs)
+
+
+def test_a_wrapped_model_is_read_inside_and_called_outside():
+    model = build("granite")
+    ids, labels = rows()
+    wrapper = Wrapper(model)
+    got = linear_ce_loss(wrapper, {"input_ids": ids, "labels": labels})
+    assert wrapper.calls == 1
+    assert abs(float(got - linear_ce_loss(model, {"input_ids": ids, "labels": labels}))) <= TOL_EXACT * float(got)
+
+
+@pytest.mark.parametrize("name", ["cohere", "scaled biased head"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_log_probs_equal_token_log_probs_on_the_logits(name, temperature):
+    model = build(name)
+    ids, labels = rows()
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    got, outputs = causal_lm_log_probs(model, {"input_ids": ids, "shift_labels": targets}, temperature=temperature)
+    assert got.shape == targets.shape and outputs.logits.shape == (2, 0, VOCAB)
+    weights = torch.linspace(-1, 2, targets.numel(), dtype=torch.float64).reshape(targets.shape)  # DPO-style weights
+    (got * weights).sum().backward()
+    got_grads = grads(model)
+    want = torch.cat([token_log_probs(row[None], t[None], temperature=temperature)[0]
+                      for row, t in zip(model(input_ids=ids).logits, targets)])
+    (want * weights).sum().backward()
+    assert float((got - want).abs().max()) <= TOL_EXACT * float(want.abs().max())
+    assert worst(got_grads, grads(model)) <= TOL_EXACT
+
+
 def test_the_head_and_its_scale_are_read_from_the_forward():
     assert linear_head(build("cohere")).scale == pytest.approx(0.37)
     assert linear_head(build("granite")).scale == pytest.approx(1 / 3)
@@ -165,8 +227,13 @@ def test_what_is_not_linear_is_refused_by_name():
     model = build("llama")
     with pytest.raises(ModelRefusal, match="router load-balancing loss"):
         linear_ce_loss(model, {**inputs, "output_router_logits": True})
-    with pytest.raises(ValueError, match="logits_to_keep"):
-        linear_ce_loss(model, {**inputs, "logits_to_keep": 1})
+    model.config.output_router_logits = True
+    with pytest.raises(ModelRefusal, match="router load-balancing loss"):
+        linear_ce_loss(model, inputs)
+    model.config.output_router_logits = False
+    for keep in (1, torch.tensor([2, 3])):
+        with pytest.raises(ValueError, match="logits_to_keep"):
+            linear_ce_loss(model, {**inputs, "logits_to_keep": keep})
     with pytest.raises(ValueError, match="shift_labels"):
         linear_ce_loss(model, {"input_ids": ids})
 
@@ -194,7 +261,7 @@ def test_a_vlm_with_an_image_is_exact():
 
 #: documents of the packed row (the last one straddles the ranks at cp 2), then padding
 LENGTHS, PADDING = (5, 1, 9, 3, 7), 3
-CP_CASES = (("llama", 0.0), ("cohere", 0.1), ("granite", 0.1), ("phi (head bias)", 0.0))
+CP_CASES = (("llama", 0.0), ("cohere", 0.1), ("granite", 0.1), ("phi (head bias)", 0.0), ("scaled biased head", 0.1))
 
 
 def packed_batch():

@@ -42,10 +42,10 @@ import torch
 
 from ..errors import ModelRefusal
 from ..loss import IGNORE_INDEX
-from ..step.linear_ce import linear_ce_sum
+from ..step.linear_ce import linear_ce_sum, linear_token_log_probs
 from ..step.rows import shifted_labels
 
-__all__ = ("LinearHead", "causal_lm_ce_sum", "linear_ce_loss", "linear_head")
+__all__ = ("LinearHead", "causal_lm_ce_sum", "causal_lm_log_probs", "linear_ce_loss", "linear_head")
 
 #: inputs the model must not get on this path: the loss is computed here, from every position
 LOSS_KEYS = ("labels", "shift_labels", "num_items_in_batch")
@@ -101,8 +101,7 @@ def causal_lm_ce_sum(
         (logits ``[B, 0, V]``; no loss).
     """
     head = linear_head(model)
-    if inputs.get("logits_to_keep") not in (None, 0):
-        raise ValueError("logits_to_keep is set: the linear-CE loss scores every position itself")
+    _every_position(inputs)
     if _router_loss(model, inputs):
         raise _refusal(head.name, "its MoE router load-balancing loss is added to the model's own loss, which this "
                                   "path does not compute; set output_router_logits=False")
@@ -135,6 +134,28 @@ def linear_ce_loss(
     if torch.is_tensor(divisor):
         divisor = divisor.to(loss_sum.device)
     return loss_sum.to(torch.promote_types(loss_sum.dtype, torch.float32)) / divisor
+
+
+def causal_lm_log_probs(
+    model: torch.nn.Module, inputs: Mapping[str, Any], *, temperature: float = 1.0,
+    options: Optional[torch.nn.LinearCrossEntropyOptions] = None,
+) -> tuple[torch.Tensor, Any]:
+    """``(log_probs [B, S], outputs)``: each target's log-probability (0 where -100), as `loss.token_log_probs`
+    gives it from the logits, for DPO / GRPO-style losses of your own loop; no entropies (they need the logits).
+    Arguments as in `causal_lm_ce_sum`; `temperature` divides the logits."""
+    head = linear_head(model)
+    _every_position(inputs)
+    targets_BS = _targets(inputs)
+    kwargs = {k: v for k, v in inputs.items() if k not in LOSS_KEYS}
+
+    def log_probs(hidden: torch.Tensor) -> torch.Tensor:
+        weight, bias, hidden = _scaled(hidden, head, targets_BS)
+        with torch.autocast(hidden.device.type, enabled=False):
+            values, _ = linear_token_log_probs(hidden.reshape(1, -1, hidden.shape[-1]), weight, targets_BS.reshape(
+                1, -1).to(hidden.device), bias_V=bias, temperature=temperature, options=options)
+        return values.reshape(targets_BS.shape)
+
+    return _hooked_forward(model, head, kwargs, log_probs)
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -245,6 +266,12 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value != 0
 
 
+def _every_position(inputs: Mapping[str, Any]) -> None:
+    keep = inputs.get("logits_to_keep")
+    if isinstance(keep, torch.Tensor) or keep not in (None, 0):
+        raise ValueError("logits_to_keep is set: the linear-CE loss scores every position itself")
+
+
 def _router_loss(model: torch.nn.Module, inputs: Mapping[str, Any]) -> bool:
     config = getattr(unwrapped(model), "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -260,15 +287,22 @@ def _targets(inputs: Mapping[str, Any]) -> torch.Tensor:
     raise ValueError("the linear-CE loss needs shift_labels [B, S] (a CP step's, from add_shift_labels) or labels")
 
 
-def _head_sum(hidden: torch.Tensor, head: LinearHead, targets_BS: torch.Tensor, label_smoothing: float,
-              options: Optional[torch.nn.LinearCrossEntropyOptions]) -> torch.Tensor:
-    """The CE sum of the positions the head got (``[B, S, H]``, the targets' ``[B, S]``), autocast off."""
+def _scaled(hidden: torch.Tensor, head: LinearHead, targets_BS: torch.Tensor):
+    """``(weight, bias, hidden)`` with the logit scale folded into the hidden states and the bias."""
     if hidden.shape[:-1] != targets_BS.shape:
         raise ValueError(f"{head.name}'s head got {tuple(hidden.shape)} for targets {tuple(targets_BS.shape)}: it "
                          "must score every position of the batch once")
     weight, bias = head.module.weight, head.module.bias
     if head.scale != 1.0:  # scale * (h W^T + b) = (scale h) W^T + scale b
         hidden, bias = hidden * head.scale, None if bias is None else bias * head.scale
+    return weight, bias, hidden
+
+
+def _head_sum(hidden: torch.Tensor, head: LinearHead, targets_BS: torch.Tensor, label_smoothing: float,
+              options: Optional[torch.nn.LinearCrossEntropyOptions]) -> torch.Tensor:
+    """The CE sum of the positions the head got (``[B, S, H]``, the targets' ``[B, S]``), autocast off (the
+    head in the model's dtype)."""
+    weight, bias, hidden = _scaled(hidden, head, targets_BS)
     with torch.autocast(hidden.device.type, enabled=False):
         return linear_ce_sum(hidden.reshape(1, -1, hidden.shape[-1]), weight, targets_BS.reshape(1, -1).to(
             hidden.device), bias_V=bias, label_smoothing=label_smoothing, options=options)
