@@ -206,6 +206,17 @@ class AddsToLogits(transformers.LlamaForCausalLM):
         return transformers.modeling_outputs.CausalLMOutputWithPast(logits=logits)
 
 
+class SkipsItsHead(transformers.LlamaForCausalLM):
+    """A forward that returns before its head when asked to."""
+
+    def forward(self, input_ids=None, skip_head=False, **kwargs):
+        hidden_states = self.model(input_ids=input_ids).last_hidden_state
+        if skip_head:
+            return transformers.modeling_outputs.CausalLMOutputWithPast(logits=hidden_states)
+        logits = self.lm_head(hidden_states)
+        return transformers.modeling_outputs.CausalLMOutputWithPast(logits=logits)
+
+
 class LoraLikeHead(torch.nn.Linear):
     def forward(self, x):
         return super().forward(x) * 2
@@ -220,6 +231,10 @@ def test_what_is_not_linear_is_refused_by_name():
     custom = AddsToLogits(transformers.LlamaConfig(**KW))
     with pytest.raises(ModelRefusal, match=r"AddsToLogits.*logits = logits \+ 0\.5"):
         linear_ce_loss(custom, inputs)
+    skips = SkipsItsHead(transformers.LlamaConfig(**KW))
+    assert float(linear_ce_loss(skips, inputs)) > 0  # its head is read and called
+    with pytest.raises(ModelRefusal, match="SkipsItsHead.*never called its output embeddings"):
+        linear_ce_loss(skips, {**inputs, "skip_head": True})
     model = build("llama")
     model.lm_head = LoraLikeHead(16, VOCAB, bias=False)
     with pytest.raises(ModelRefusal, match="LoraLikeHead, not a plain nn.Linear"):
