@@ -3,7 +3,8 @@ model's own plain loss and an all-float64 computation from its logits, gradients
 included, with label smoothing and -100 targets; Cohere's logit scale and Granite's logits scaling folded
 into the hidden states; tied heads and a head bias; a VLM; what is not linear refused by name; and at cp 2
 on real gloo ranks, each rank's loss equal to the mixin's plain path on the same shard and the ranks'
-losses and gradients summed equal to the unsharded run's.
+losses and gradients summed equal to the unsharded run's; and every causal LM of the installed transformers
+exact or refused by name (about 10 s).
 
 The model's own loss (transformers' ``ForCausalLMLoss``) and ``LabelSmoother`` compute in float32 even
 from float64 logits, so they are met to 1e-6; the float64 computation from the same model's logits to 1e-10.
@@ -399,3 +400,64 @@ def test_a_vlm_row_under_cp_equals_each_sample_alone(rank_pools):
     for loss_error, grad_error in rank_pools(2).run(vlm_cp_worker):
         print(f"Qwen2.5-VL at cp 2: loss {loss_error:.1e}, gradients {grad_error:.1e}")
         assert loss_error <= TOL_EXACT and grad_error <= 1e-9, (loss_error, grad_error)
+
+
+# -- every causal LM of transformers ----------------------------------------------------------------------------
+
+def sweep_case(model_type: str):
+    """``(verdict, detail)`` of one causal-LM type's tiny float64 model: "exact" (relative error of the loss, 1e-6
+    at most, against float64 cross-entropy on its logits), "refused" (a `ValueError`: the reason), "skipped"
+    (its tiny config or its own forward does not run in float64), else "wrong" / "crashed"."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from blockdiag_cp.testing.zoo_configs import MAX_PARAMETERS, tiny_config
+
+    try:
+        model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+        config = tiny_config(model_type, model_class)
+        with torch.device("meta"):
+            size = sum(p.numel() for p in model_class._from_config(config, attn_implementation="eager").parameters())
+        if size > MAX_PARAMETERS:
+            return "skipped", "too big"
+        torch.manual_seed(0)
+        model = model_class._from_config(config, attn_implementation="eager", dtype=torch.float64,
+                                         experts_implementation="eager").eval()
+        ids = torch.randint(1, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+        labels = ids.masked_fill(torch.arange(9) < 2, IGNORE_INDEX)
+        logits = model(input_ids=ids, use_cache=False).logits
+        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        want = exact_sum(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), 0.1).item()
+    except Exception as exc:  # noqa: BLE001  the type does not run as built here
+        return "skipped", f"{type(exc).__name__}: {exc}"[:120]
+    try:
+        got = linear_ce_sum_of(model, ids, labels)
+    except ValueError as exc:
+        return "refused", getattr(exc, "reason", str(exc))
+    except Exception as exc:  # noqa: BLE001
+        return "crashed", f"{type(exc).__name__}: {exc}"[:200]
+    error = abs(got - want) / abs(want)
+    return ("exact" if error <= TOL_PLAIN else "wrong"), f"{error:.1e}"
+
+
+def linear_ce_sum_of(model, ids, labels) -> float:
+    loss_sum, _, _ = causal_lm_ce_sum(model, {"input_ids": ids, "labels": labels, "use_cache": False},
+                                      label_smoothing=0.1)
+    return loss_sum.item()
+
+
+def test_every_causal_lm_of_transformers_is_exact_or_refused_by_name():
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        transformers.logging.set_verbosity_error()
+        verdicts = {t: sweep_case(t) for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES}
+    counts = {v: sum(1 for verdict, _ in verdicts.values() if verdict == v) for v in ("exact", "refused", "skipped")}
+    print(counts, "refused:", {t: d for t, (v, d) in verdicts.items() if v == "refused"})
+    bad = {t: d for t, d in verdicts.items() if d[0] not in ("exact", "refused", "skipped")}
+    assert not bad, bad
+    for model_type in ("llama", "qwen2", "qwen3", "cohere", "granite", "gemma3_text", "mistral", "phi3"):
+        assert verdicts[model_type][0] == "exact", (model_type, verdicts[model_type])
+    for model_type in ("gemma2", "recurrent_gemma"):  # final logit softcapping (tanh)
+        assert verdicts[model_type][0] == "refused", (model_type, verdicts[model_type])
+    assert counts["exact"] >= 90, counts
