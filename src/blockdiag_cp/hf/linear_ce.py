@@ -41,9 +41,8 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from ..errors import ModelRefusal
-from ..loss import IGNORE_INDEX
 from ..step.linear_ce import linear_ce_sum, linear_token_log_probs
-from ..step.rows import shifted_labels
+from ..step.rows import IGNORE_INDEX, shifted_labels
 
 __all__ = ("LinearHead", "causal_lm_ce_sum", "causal_lm_log_probs", "linear_ce_loss", "linear_head")
 

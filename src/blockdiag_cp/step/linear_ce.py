@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..loss import IGNORE_INDEX
+from .rows import IGNORE_INDEX
 
 __all__ = ("linear_ce_sum", "linear_token_log_probs")
 
