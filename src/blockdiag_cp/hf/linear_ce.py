@@ -69,7 +69,7 @@ class LinearHead:
 
 def linear_head(model: torch.nn.Module) -> LinearHead:
     """`model`'s head and logit scale, or a `ModelRefusal` naming what is not linear (Note)."""
-    inner = unwrapped(model)
+    inner = _unwrapped(model)
     name = type(inner).__name__
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
@@ -85,7 +85,7 @@ def causal_lm_ce_sum(
     model: torch.nn.Module, inputs: Mapping[str, Any], *, label_smoothing: float = 0.0,
     options: Optional[torch.nn.LinearCrossEntropyOptions] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    """``(loss_sum, targets, outputs)``: `model`'s forward on `inputs` with the loss from its hidden states.
+    """``(loss_sum, count, outputs)``: `model`'s forward on `inputs` with the loss from its hidden states.
 
     Args:
         model: a transformers causal LM (or a DDP / PEFT / compiled wrapper of one).
@@ -99,6 +99,8 @@ def causal_lm_ce_sum(
         The 0-d sum of every target's cross-entropy, the 0-d count of targets, and the model's outputs
         (logits ``[B, 0, V]``; no loss).
     """
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     head = linear_head(model)
     _every_position(inputs)
     if _router_loss(model, inputs):
@@ -142,6 +144,8 @@ def causal_lm_log_probs(
     """``(log_probs [B, S], outputs)``: each target's log-probability (0 where -100), as `loss.token_log_probs`
     gives it from the logits, for DPO / GRPO-style losses of your own loop; no entropies (they need the logits).
     Arguments as in `causal_lm_ce_sum`; `temperature` divides the logits."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature!r}")
     head = linear_head(model)
     _every_position(inputs)
     targets_BS = _targets(inputs)
@@ -157,7 +161,7 @@ def causal_lm_log_probs(
     return _hooked_forward(model, head, kwargs, log_probs)
 
 
-def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model inside DDP / DeepSpeed / FSDP1 (``.module``), torch.compile and PEFT wrappers."""
     while True:
         if isinstance(getattr(model, "module", None), torch.nn.Module):
@@ -272,7 +276,7 @@ def _every_position(inputs: Mapping[str, Any]) -> None:
 
 
 def _router_loss(model: torch.nn.Module, inputs: Mapping[str, Any]) -> bool:
-    config = getattr(unwrapped(model), "config", None)
+    config = getattr(_unwrapped(model), "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return bool(inputs.get("output_router_logits", getattr(text, "output_router_logits", False)))
 
