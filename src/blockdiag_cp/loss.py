@@ -1,4 +1,8 @@
-"""What a loss needs across shard boundaries: next-token targets and a CP-correct mean."""
+"""What a loss needs across shard boundaries: next-token targets and a CP-correct mean.
+
+The same per-token cross-entropy from the final hidden states, never holding the logits:
+`blockdiag_cp.step.linear_ce` (and `blockdiag_cp.hf.linear_ce` for transformers' causal LMs).
+"""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@
     scoring.py    ScoringSession: TRL's fused-head scoring forwards on padded rows, as one packed row under CP
     replica.py    a dp replica's view of the accelerator, for DPO / GRPO code under CP
     losses.py     the Trainer's and TRL's loss paths outside the model, on the unsharded rows' targets and count
+    linear_ce.py  a causal LM's loss and log-probs from its hidden states and head, never holding the logits
     moe.py        an MoE router's load-balancing loss of the unsharded rows
     neftune.py    NEFTune's noise as the run without CP draws it
     options.py    every TrainingArguments / TRL config option: inert, verified, or refused when set
@@ -24,6 +25,7 @@ The Trainer mixin is `blockdiag_cp.trainer`.
 
 from ..mixers import prepare_model
 from .interface import ATTN_IMPLEMENTATION, blockdiag_cp_attention, blockdiag_cp_mask, register
+from .linear_ce import causal_lm_log_probs, linear_ce_loss
 from .load import from_config, from_pretrained
 from .scoring import ScoringSession
 from .vlm import make_cp_vlm_batch_and_ctx, vlm_model_inputs
@@ -34,8 +36,10 @@ __all__ = (
     "ATTN_IMPLEMENTATION",
     "blockdiag_cp_attention",
     "blockdiag_cp_mask",
+    "causal_lm_log_probs",
     "from_config",
     "from_pretrained",
+    "linear_ce_loss",
     "make_cp_vlm_batch_and_ctx",
     "prepare_model",
     "register",

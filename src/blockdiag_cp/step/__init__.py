@@ -17,4 +17,5 @@
     slot.py      the active step, readable from autograd's recompute threads
     kept.py      autograd graphs of compiled attention calls, kept until their backward
     gather.py    gather_sequence: unshard logits or hidden states
+    linear_ce.py a shard's next-token cross-entropy from its hidden states and the LM head, no logits
 """
