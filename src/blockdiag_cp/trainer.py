@@ -106,6 +106,11 @@ class BlockDiagCPMixin:
             step waits for the heaviest replica. Loss,
             gradients, logs and evaluation as without it; per-replica losses are refused
             (Note [The whole-batch mode of the mixin] in hf/whole_batch.py).
+        linear_ce: the training loss from the final hidden states and the LM head with torch's chunked
+            ``linear_cross_entropy`` (`hf.linear_ce.linear_ce_loss`): a shard's ``[L, V]`` logits are never held;
+            the same loss, label smoothing and token count as the model's own (docs/memory.md). The Trainer's
+            loss only (SFT's, DPO's and GRPO's already never hold the logits); evaluation keeps the plain path;
+            a model whose head the loss cannot read (softcapping, a non-linear head) is refused by name.
         *args, **kwargs: passed to the Trainer unchanged.
 
     Every CP rank of a dp replica gets the batches that replica gets without CP, in the
@@ -129,7 +134,8 @@ class BlockDiagCPMixin:
 
     def __init__(
         self, *args: Any, cp_size: int = 1, cp_config: Optional[CPConfig] = None,
-        seq_dims: Optional[Mapping[str, int]] = None, whole_batch: bool = False, **kwargs: Any,
+        seq_dims: Optional[Mapping[str, int]] = None, whole_batch: bool = False, linear_ce: bool = False,
+        **kwargs: Any,
     ) -> None:
         if isinstance(cp_size, bool) or not isinstance(cp_size, int):
             raise CPTypeError(f"cp_size must be an int, got {type(cp_size).__name__}")
@@ -137,9 +143,10 @@ class BlockDiagCPMixin:
             raise ValueError(f"cp_size must be >= 1, got {cp_size}")
         if cp_config is not None and not isinstance(cp_config, CPConfig):
             raise CPTypeError(f"cp_config must be a CPConfig, got {type(cp_config).__name__}")
-        if not isinstance(whole_batch, bool):
-            raise CPTypeError(f"whole_batch must be a bool, got {type(whole_batch).__name__}")
-        self.whole_batch = whole_batch
+        for name, flag in (("whole_batch", whole_batch), ("linear_ce", linear_ce)):
+            if not isinstance(flag, bool):
+                raise CPTypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        self.whole_batch, self.linear_ce = whole_batch, linear_ce
         self.seq_dims = check_seq_dims(seq_dims)
         strategy = strategy_for(type(self))  # the trainer's kind, looked at here only
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)

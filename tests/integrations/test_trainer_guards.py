@@ -7,6 +7,7 @@ without CP, hang, or crash deep inside a trainer.
 import os
 import subprocess
 import sys
+import types
 import warnings
 
 import pytest
@@ -144,3 +145,38 @@ def test_a_refusal_under_torchrun_is_one_line_from_rank_0():
     ours = [line for line in output.splitlines() if line.startswith("error: ")]
     assert len(ours) == 1 and "even_batches=True" in ours[0], ours
     assert output.count("ValueError") == 1, output[-3000:]  # no rank's traceback, only torchrun's own summary
+
+
+def test_linear_ce_refuses_what_it_does_not_compute_exactly(trainer_example, tmp_path):
+    """``linear_ce=True``: the Trainer's own loss only; a compute_loss_func, whole batches, SFT (whose loss already
+    never holds the logits), a softcapped head, and a flag that is no bool are refused at construction, by name."""
+    from blockdiag_cp.errors import CPTypeError
+
+    args = arguments(trainer_example, tmp_path)
+    accepted = BlockDiagCPTrainer(model=trainer_example.tiny_llama(), args=args, cp_size=1, linear_ce=True)
+    assert accepted.linear_ce and not BlockDiagCPTrainer(model=trainer_example.tiny_llama(), args=args).linear_ce
+    with pytest.raises(CPTypeError, match="linear_ce must be a bool"):
+        BlockDiagCPTrainer(model=trainer_example.tiny_llama(), args=args, linear_ce="yes")
+    with pytest.raises(ValueError, match="linear_ce=True is not verified with a compute_loss_func"):
+        BlockDiagCPTrainer(model=trainer_example.tiny_llama(), args=args, linear_ce=True,
+                           compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.loss)
+    with pytest.raises(ValueError, match="linear_ce=True is not verified with whole_batch=True"):
+        BlockDiagCPTrainer(model=trainer_example.tiny_llama(), args=args, linear_ce=True, whole_batch=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, final_logit_softcapping=30.0))
+    with pytest.raises(ValueError, match="softcap"):
+        BlockDiagCPTrainer(model=gemma, args=args, linear_ce=True)
+    # the other kinds' strategies refuse it first thing (TRL's trainers already never hold the logits)
+    from blockdiag_cp import CPConfig
+    from blockdiag_cp.hf.trainer_rows import SFTRowsStrategy
+    from blockdiag_cp.hf.trainer_scoring import GeneratingStrategy, ScoringStrategy
+
+    stand_in = types.SimpleNamespace(linear_ce=True, cp_mesh=None, cp_config=CPConfig())
+    with pytest.raises(ValueError, match="SFTTrainer's loss .* already never holds the logits"):
+        SFTRowsStrategy(stand_in).adopt([], "here")
+    for strategy in (ScoringStrategy, GeneratingStrategy):
+        with pytest.raises(ValueError, match="scores rows through TRL's fused LM head"):
+            strategy(stand_in).adopt([], "here")

@@ -279,7 +279,7 @@ TRAINING_ARGUMENTS = types.MappingProxyType({
                                f"[accelerate's ParallelismConfig under the mixin] in hf/parallelism.py): {FSDP2_TESTS}; "
                                "tp_size and sp_size are refused", kinds=ROWS),
     **_rules(REFUSED, "Liger kernels replace the model's loss forward, which would shift labels inside each shard: "
-             "turn them off under the mixin", "use_liger_kernel"),
+             "turn them off under the mixin; for a loss that never holds the logits pass linear_ce=True to the mixin", "use_liger_kernel"),
 })
 
 #: ``SFTConfig``'s own fields (TRL 1.x)

@@ -26,6 +26,7 @@ from ..step.rows import flatten_rows
 from ..step.slot import current_step
 from ..step.prefetch import WorldStepPrefetcher
 from ..step.world import make_cp_world_batch_and_ctx
+from .linear_ce import linear_ce_loss, linear_head
 from .losses import RowsStep, ShardLabelSmoother, UnshardedLossFunction, rescale_shard_mean, unshard_rows
 from .metrics import FusedOutputs, kept_totals, logged_metrics, token_fields
 from .model_checks import check_loss_inputs
@@ -112,6 +113,19 @@ class RowsStrategy:
         if aux_loss_enabled(model):
             self.router_balance = RouterBalance(model, self.balance_step, where)
             self.router_balance.install()
+        if t.linear_ce:
+            self._adopt_linear_ce(model)
+
+    def _adopt_linear_ce(self, model: torch.nn.Module) -> None:
+        """``linear_ce=True``: refuse by name what the linear cross-entropy loss does not compute exactly
+        (docs/memory.md), before any step."""
+        t = self.trainer
+        for what, why in ((t.whole_batch, "whole_batch=True (the loss of rows from several replicas)"),
+                          (t.compute_loss_func is not None, "a compute_loss_func (it takes the logits)"),
+                          (self.router_balance is not None, "the MoE router loss (output_router_logits)")):
+            if what:
+                raise ValueError(f"linear_ce=True is not verified with {why}: turn one of them off")
+        linear_head(model)  # a head the loss cannot read is refused by name
 
     # -- the step in flight --------------------------------------------------------------
 
@@ -180,6 +194,8 @@ class RowsStrategy:
         """`parent` (the Trainer's loss), told whether it is world-scaled; a per-micro-batch mean of the model's
         own loss gets the replica's count (Note [Losses outside the model under CP] in hf/losses.py)."""
         t = self.trainer
+        if t.linear_ce and model.training:  # evaluation keeps the plain path (its metrics may want the logits)
+            return self._linear_ce_loss(model, inputs, return_outputs, num_items_in_batch)
         step = self.rows_step()
         if step is not None:
             scaled = bool(t.args.average_tokens_across_devices and num_items_in_batch is not None
@@ -188,6 +204,19 @@ class RowsStrategy:
             if step.targets is not None and self._model_mean_loss(num_items_in_batch):
                 inputs = {**inputs, "num_items_in_batch": step.replica_divisor(None)}
         return parent(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    def _linear_ce_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool,
+                        num_items_in_batch: Any) -> Any:
+        """The loss of ``linear_ce=True`` (`hf.linear_ce.linear_ce_loss`: the shard's cross-entropy from the final
+        hidden states, never the logits) divided as the model's own loss is (the replica's count, or its mean),
+        then scaled as ``Trainer.compute_loss`` scales a loss that got the token count."""
+        t = self.trainer
+        step = self.rows_step()
+        divisor = num_items_in_batch if step is None else step.replica_divisor(num_items_in_batch)
+        loss = linear_ce_loss(model, inputs, num_items_in_batch=divisor, label_smoothing=t.args.label_smoothing_factor)
+        if t.args.average_tokens_across_devices and t.model_accepts_loss_kwargs and num_items_in_batch is not None:
+            loss = loss * (t.accelerator.num_processes // t.get_tp_size())
+        return (loss, None) if return_outputs else loss
 
     def prediction_step(self, parent: Callable, model: torch.nn.Module, inputs: dict[str, Any],
                         prediction_loss_only: bool, ignore_keys: Optional[list[str]]) -> Any:
@@ -255,6 +284,9 @@ class SFTRowsStrategy(RowsStrategy):
         self.fused = FusedOutputs()
 
     def adopt(self, models: list[torch.nn.Module], where: str) -> None:
+        if self.trainer.linear_ce:
+            raise ValueError("linear_ce=True is for the Trainer's own loss: SFTTrainer's loss (TRL's fused LM head) "
+                             "already never holds the logits; leave linear_ce off")
         super().adopt(models, where)
         self.fused = FusedOutputs.install(self.trainer.accelerator.unwrap_model(self.trainer.model))
 

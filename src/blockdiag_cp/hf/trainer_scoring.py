@@ -55,6 +55,10 @@ class ScoringStrategy:
     def adopt(self, models: list[torch.nn.Module], where: str) -> None:
         """Shard the scoring forwards of `models`; refuse what is not exact on scored rows under CP."""
         t = self.trainer
+        if t.linear_ce:
+            raise ValueError(f"linear_ce=True is for the Trainer's own loss: {type(t).__name__} scores rows through "
+                             "TRL's fused LM head (no logits held) and needs entropies, which the linear cross-entropy "
+                             "cannot give; leave linear_ce off")
         for model in models:
             self.session.install(model)
         if t.cp_size > 1 and getattr(t, "aux_loss_enabled", False):
