@@ -76,6 +76,7 @@ def test_scoring_trainers_are_refused_in_the_whole_batch_mode():
     from blockdiag_cp.hf.trainer_scoring import GeneratingStrategy, ScoringStrategy
 
     for strategy in (ScoringStrategy, GeneratingStrategy):
-        trainer = SimpleNamespace(cp_mesh=None, cp_config=CPConfig(), cp_size=1, whole_batch=True, dp_rank=0)
+        trainer = SimpleNamespace(cp_mesh=None, cp_config=CPConfig(), cp_size=1, whole_batch=True, dp_rank=0,
+                                  linear_ce=False)
         with pytest.raises(ValueError, match="DPO and GRPO"):
             strategy(trainer).adopt([], "in a test")
