@@ -201,9 +201,7 @@ class BlockDiagCPMixin:
         """The Trainer's micro-batches of one optimizer step; in the whole-batch mode each is agreed and
         planned on a background thread while the ones before it train (Note [Planning off the critical path])."""
         samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        prefetch = getattr(self._strategy, "prefetch", None)
-        if prefetch is not None:
-            prefetch(samples)
+        self._strategy.prefetch(samples)
         return samples, num_items
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch: Any = None):

@@ -50,6 +50,10 @@ class TrainerStrategy(Protocol):
     def adopt(self, models: list[torch.nn.Module], where: str) -> None:
         """After the models are prepared: install this kind's hooks and loss paths, refuse what it cannot train."""
 
+    def prefetch(self, samples: list[dict[str, Any]]) -> None:
+        """The Trainer's ``get_batch_samples``: the micro-batches of an optimizer step, as soon as they are fetched
+        (a kind that plans ahead submits them here; the others do nothing)."""
+
     def step_inputs(self, model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[Callable, dict[str, Any]]:
         """The Trainer's ``_prepare_context_parallel_inputs``: ``(train_ctx, inputs)``."""
 

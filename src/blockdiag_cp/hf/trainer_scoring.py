@@ -69,6 +69,9 @@ class ScoringStrategy:
 
     # -- the Trainer's hooks -------------------------------------------------------------
 
+    def prefetch(self, samples: list[dict[str, Any]]) -> None:
+        """Nothing planned ahead: the scoring forwards are sharded as they come (Note [Scoring forwards under CP])."""
+
     def step_inputs(self, model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[Callable, dict[str, Any]]:
         """The inputs pass unchanged: the forwards are sharded as they come (Note [Scoring forwards under CP])."""
         return self.session, inputs

@@ -4,8 +4,8 @@ Note [One step pipeline]
 ------------------------
 Both step entries run the same sequence, once per step (`run_step`):
 
-    inputs   the entry's inputs in the batch's form (`take_row_inputs`)
-    read     this rank's row: its document ids, or the problem with its batch (`read_row`; no collective)
+    inputs   the entry's inputs in the batch's form (`read_inputs`, with read: one call, no collective)
+    read     this rank's row: its document ids, or the problem with its batch; its positions when absent
     agree    the ranks agree on their rows and the config (the source's one small collective); a
              problem on any rank raises on every rank
     plan     the row's shard plan over the group (the same on every rank)
@@ -75,12 +75,8 @@ class RowSource(Protocol):
 def run_step(source: RowSource, batch: dict[str, Any], config: CPConfig, loss_mask: Optional[torch.Tensor],
              padding_token_id: int, seq_dims: Optional[Mapping[str, int]]) -> tuple["TrainCtx", dict[str, Any]]:
     """The step of `batch` over `source`'s group (Note [One step pipeline]); `batch` becomes this rank's shard."""
-    take_row_inputs(batch, loss_mask)
-    seq_dims, S, doc_ids_1S, problem = read_row(batch, seq_dims, config, source.world)
+    seq_dims, doc_ids_1S, problem = read_inputs(batch, loss_mask, seq_dims, config, source.world)
     row = source.agree(doc_ids_1S, config, problem)
-    warn_unsharded(batch, S, seq_dims)
-    if batch.get("position_ids") is None:
-        batch["position_ids"] = torch.arange(S, device=doc_ids_1S.device).unsqueeze(0)
     heads = step_head_groups(row.doc_ids, source.world, source.rank, source.group, config)
     return shard_agreed(source, row, batch, config, heads, padding_token_id, seq_dims), batch
 
@@ -94,6 +90,20 @@ def shard_agreed(source: RowSource, row: AgreedRow, batch: dict[str, Any], confi
                              heads, row.plan(config))
     row.move(batch, state.plan, padding_token_id, seq_dims or {})
     return TrainCtx(state, row.replica_of_row(state.plan))
+
+
+def read_inputs(batch: dict[str, Any], loss_mask: Optional[torch.Tensor], seq_dims: Optional[Mapping[str, int]],
+                config: CPConfig, world: int) -> tuple[Mapping[str, int], Optional[torch.Tensor], Optional[Exception]]:
+    """The pipeline's *inputs* and *read* (no collective): ``(seq_dims, doc ids [1, S], problem)`` of this rank's
+    batch; a valid batch gets its ``position_ids`` (0..S-1, as the unsharded model would use) when it has none,
+    and a warning for tensors that look sequence-aligned but that no rule shards."""
+    take_row_inputs(batch, loss_mask)
+    seq_dims, S, doc_ids_1S, problem = read_row(batch, seq_dims, config, world)
+    if problem is None:
+        warn_unsharded(batch, S, seq_dims)
+        if batch.get("position_ids") is None:
+            batch["position_ids"] = torch.arange(S, device=doc_ids_1S.device).unsqueeze(0)
+    return seq_dims, doc_ids_1S, problem
 
 
 def take_row_inputs(batch: dict[str, Any], loss_mask: Optional[torch.Tensor]) -> None:

@@ -44,8 +44,7 @@ from ..config import CPConfig
 from ..errors import CPTypeError
 from ..parallel.heads import HeadGroups, head_groups, make_head_groups
 from ..plan.cost import candidate_degrees
-from .pipeline import TrainCtx, mesh_device, read_row, step_head_groups, take_row_inputs
-from .inputs import warn_unsharded
+from .pipeline import TrainCtx, mesh_device, read_inputs, step_head_groups
 from .world import GlobalRow, WholeBatch, WorldView, plan_global_row, gather_replica_runs
 from .world_plan import RankStep, build_rank_step
 
@@ -162,12 +161,7 @@ def _start(batch: dict[str, Any], *, view: WorldView, lengths: WorldView, device
            seq_dims, planner: ThreadPoolExecutor) -> _Pending:
     """The main thread's part ahead of a micro-batch: its inputs read, its head groups made; then its agreement
     and planning submitted to the background thread."""
-    take_row_inputs(batch, None)
-    seq_dims, S, doc_ids_1S, problem = read_row(batch, seq_dims, config, view.world)
-    if problem is None:
-        warn_unsharded(batch, S, seq_dims)
-        if batch.get("position_ids") is None:
-            batch["position_ids"] = torch.arange(S, device=doc_ids_1S.device).unsqueeze(0)
+    seq_dims, doc_ids_1S, problem = read_inputs(batch, None, seq_dims, config, view.world)
     degree = config.heads.ulysses_degree
     if degree == "auto":  # every candidate's groups now; the planner picks among them without a collective
         make_head_groups(view.group, view.world, view.rank, candidate_degrees(view.world, config.heads.attention_heads[0]))

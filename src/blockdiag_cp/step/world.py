@@ -242,7 +242,7 @@ class GlobalRow:
 
 
 def gather_replica_runs(doc_ids_1S: Optional[torch.Tensor], view: WorldView, config: CPConfig, device: torch.device,
-                  problem: Optional[Exception]) -> list[np.ndarray]:
+                        problem: Optional[Exception]) -> list[np.ndarray]:
     """Every rank's replica row as runs ``[runs, 2]`` (length, real), gathered; every rank raises alike when a
     rank rejected its batch, a replica's ranks hold different rows, or the configs differ."""
     table = np.zeros((0, 2), dtype=np.int64)
