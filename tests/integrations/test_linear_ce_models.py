@@ -445,6 +445,7 @@ def linear_ce_sum_of(model, ids, labels) -> float:
     return loss_sum.item()
 
 
+@pytest.mark.slow  # 25 s of the fast loop; the named families' exactness runs there (test_the_loss_and_every_...)
 def test_every_causal_lm_of_transformers_is_exact_or_refused_by_name():
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
