@@ -32,7 +32,7 @@ class AllGatherExchange(BufferExchange):
             buffer_positions = torch.arange(lo, hi)
         else:
             self._slice = None
-            self._index = geometry.gathered_row[needed].to(setup.device)
+            self._index = geometry.gathered_rows(needed).to(setup.device)
             buffer_positions = needed
         super().__init__(setup, buffer_positions)
 

@@ -66,20 +66,18 @@ class NeededOnlyExchange(BufferExchange):
 
     def __init__(self, setup: ExchangeSetup) -> None:
         geometry, rank, L, W = setup.geometry, setup.rank, setup.local_len, setup.world
-        recv_from, send_to = geometry.transfer_of(rank, setup.window)  # this rank's row and column of the transfer
         self.group = setup.group
-        self.send_splits = send_to.tolist()
-        self.recv_splits = recv_from.tolist()
         self.any_transfer = geometry.documents_cross_ranks(setup.window)  # the same on every rank
         # rows this rank sends, grouped by destination, ascending positions (local rows)
-        needed_by_WL = geometry.need_at(geometry.plan.rank_positions(rank), setup.window)
-        needed_by_WL[rank] = False
-        self.send_rows = torch.cat([torch.nonzero(row).flatten() for row in needed_by_WL]).to(setup.device)
+        send_rows, send_to = geometry.send_rows_of(rank, setup.window)
+        self.send_rows = send_rows.to(setup.device)
         # buffer row j holds local row assemble[j] (< L) or received row assemble[j] - L
-        needed = geometry.needed_positions(rank, setup.window)
-        src = geometry.owner[needed]
-        recv_offset = torch.cumsum(torch.tensor([0] + self.recv_splits[:-1]), dim=0)
-        assemble = torch.where(src == rank, geometry.local_index[needed], L + recv_offset[src] + _rank_within(src, W))
+        needed, src, local = geometry.sources_of(rank, setup.window)
+        recv_from = torch.bincount(src, minlength=W)
+        recv_from[rank] = 0
+        self.send_splits, self.recv_splits = send_to.tolist(), recv_from.tolist()
+        recv_offset = torch.cumsum(recv_from, dim=0) - recv_from
+        assemble = torch.where(src == rank, local, L + recv_offset[src] + _rank_within(src, W))
         self.assemble_runs = _runs(assemble, L)
         self.slots = _Slots.of(assemble, L, sum(self.recv_splits), setup.device)
         # a kernel that writes key gradient rows writes them [local rows | received rows] (Note [Key

@@ -59,9 +59,8 @@ import torch
 from .groups import GroupCutter
 from .loads import Loads
 from .options import PlanOptions
-from .ranges import concat_ranges
 from .runs import run_starts
-from .shard_plan import ShardPlan
+from .shard_plan import Segments, ShardPlan
 from .step_costs import StepCosts
 
 #: grains tried, coarse to fine (Note [Grouped planner], step 5)
@@ -109,10 +108,8 @@ class Placement:
 
     def shard_plan(self, seq_len: int) -> ShardPlan:
         """The `ShardPlan`: each rank's pieces in position order (padding positions beyond `seq_len`)."""
-        order = np.lexsort((self.start, self.rank))
-        positions = concat_ranges(torch.from_numpy(self.start[order]), torch.from_numpy(self.length[order]))
-        lens = np.bincount(self.rank, weights=self.length, minlength=self.tokens.size).astype(np.int64)
-        return ShardPlan("grouped", seq_len, int(lens.sum()), positions, tuple(int(n) for n in lens))
+        runs = Segments.of(*(torch.from_numpy(a) for a in (self.start, self.length, self.rank)), self.tokens.size)
+        return ShardPlan.of_runs("grouped", seq_len, runs, self.tokens.size)
 
 
 def plan_grouped(doc_ids_S: torch.Tensor, world: int, options: Optional[PlanOptions] = None) -> ShardPlan:

@@ -14,13 +14,56 @@ of that over the real positions it owns.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from ..errors import ensure
+from .ranges import concat_ranges
 from .runs import doc_starts
+
+
+@dataclass(frozen=True)
+class Segments:
+    """A plan as runs of consecutive positions of one rank, in position order (they tile ``[0, S_pad)``).
+
+    All ``[G]`` int64 CPU: ``start``, ``length``, ``rank``, and ``local``: the row of the segment's first
+    position in its rank's local order. A step localizes with them (Note [Localized geometry] in
+    geometry.py): ``G`` grows with the documents and ranks, not with the tokens.
+    """
+
+    start: torch.Tensor
+    length: torch.Tensor
+    rank: torch.Tensor
+    local: torch.Tensor
+
+    @staticmethod
+    def of(start: torch.Tensor, length: torch.Tensor, rank: torch.Tensor, world: int) -> "Segments":
+        """From runs ``[G]`` (any order, disjoint, tiling the row) of each rank: sorted, with local rows."""
+        keep = length > 0
+        start, length, rank = start[keep], length[keep], rank[keep]
+        by_rank = torch.argsort(rank * (int(start.max()) + 1 if start.numel() else 1) + start)
+        rows = torch.cumsum(length[by_rank], 0) - length[by_rank]
+        rank_first = torch.zeros(world, dtype=torch.long).scatter_reduce_(
+            0, rank[by_rank], rows, reduce="amin", include_self=False)
+        local = torch.empty_like(rows).scatter_(0, by_rank, rows - rank_first.index_select(0, rank[by_rank]))
+        order = torch.argsort(start)
+        return Segments(start[order], length[order], rank[order], local[order])
+
+    @property
+    def end(self) -> torch.Tensor:
+        return self.start + self.length
+
+    def locate(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([n] owner, [n] local row)`` of `positions` ``[n]``."""
+        seg = torch.searchsorted(self.start, positions, right=True) - 1
+        return self.rank.index_select(0, seg), self.local.index_select(0, seg) + positions - self.start.index_select(0, seg)
+
+    def of_rank(self, rank: int) -> "Segments":
+        """`rank`'s segments (position order = its local order)."""
+        mine = self.rank == rank
+        return Segments(self.start[mine], self.length[mine], self.rank[mine], self.local[mine])
 
 
 @dataclass(frozen=True)
@@ -36,18 +79,38 @@ class ShardPlan:
 
     The contiguous and balanced layouts give every rank the same ``L`` (`equal_shards`;
     `positions_WL` is then ``[W, L]``); the grouped layout may give ranks different lengths
-    (Note [Unequal shards] in grouped.py).
+    (Note [Unequal shards] in grouped.py). A planner that knows its runs passes them as `runs`
+    (`segments` derives them from `positions` otherwise).
     """
 
     layout: str
     seq_len: int
     padded_len: int
-    positions: torch.Tensor
+    given_positions: Optional[torch.Tensor]
     local_lens: tuple[int, ...]
+    runs: Optional[Segments] = field(default=None, compare=False, repr=False)
+    _rank_positions: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        ensure(sum(self.local_lens) == self.padded_len == self.positions.numel(), "a plan places every position once")
+        ensure((self.given_positions is None) != (self.runs is None), "a plan is given by its positions or its runs")
+        placed = self.runs.length.sum() if self.given_positions is None else self.given_positions.numel()
+        ensure(sum(self.local_lens) == self.padded_len == int(placed), "a plan places every position once")
         ensure(min(self.local_lens) >= 1, "every rank owns at least one position")
+
+    @staticmethod
+    def of_runs(layout: str, seq_len: int, runs: Segments, world: int) -> "ShardPlan":
+        """The plan of `runs` (its `segments`): positions listed only where asked (Note [Localized geometry])."""
+        lens = torch.zeros(world, dtype=torch.long).index_add_(0, runs.rank, runs.length)
+        return ShardPlan(layout, seq_len, int(lens.sum()), None, tuple(int(n) for n in lens), runs)
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        """``[S_pad]`` int64: rank 0's positions ascending, then rank 1's, ... (built on first use for a
+        plan given by its runs)."""
+        if self.given_positions is not None:
+            return self.given_positions
+        order = torch.argsort(self.runs.rank * (self.padded_len + 1) + self.runs.start)
+        return concat_ranges(self.runs.start.index_select(0, order), self.runs.length.index_select(0, order))
 
     @staticmethod
     def from_rows(layout: str, seq_len: int, positions_WL: torch.Tensor) -> "ShardPlan":
@@ -94,13 +157,30 @@ class ShardPlan:
         """``[L_r]`` LongTensor: the padded-sequence positions `rank` owns, in local order."""
         if not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} is outside the plan's world of {self.world}")
-        return self.positions.narrow(0, int(self.offsets[rank]), self.local_lens[rank])
+        if self.given_positions is not None or "positions" in self.__dict__:
+            return self.positions.narrow(0, int(self.offsets[rank]), self.local_lens[rank])
+        if rank not in self._rank_positions:  # O(own positions + segments), kept for the plan
+            mine = self.runs.of_rank(rank)
+            self._rank_positions[rank] = concat_ranges(mine.start, mine.length)
+        return self._rank_positions[rank]
 
     def contiguous_start(self, rank: int) -> Optional[int]:
         """First position of `rank` if it owns one contiguous range, else None."""
         pos = self.rank_positions(rank)
         first = int(pos[0])
         return first if int(pos[-1]) - first + 1 == pos.numel() else None
+
+    @functools.cached_property
+    def segments(self) -> Segments:
+        """The plan's `Segments` (the planner's `runs`, else derived from `positions` in one pass)."""
+        if self.runs is not None:
+            return self.runs
+        pos, rank = self.positions, self.rank_of_row
+        new = torch.ones_like(pos, dtype=torch.bool)
+        new[1:] = (pos[1:] != pos[:-1] + 1) | (rank[1:] != rank[:-1])
+        first = torch.nonzero(new).flatten()
+        length = torch.diff(first, append=torch.tensor([pos.numel()]))
+        return Segments.of(pos[first], length, rank[first], self.world)
 
     @functools.cached_property
     def rank_of_row(self) -> torch.Tensor:

@@ -106,6 +106,11 @@ class OwnRow:
 
     doc_ids: torch.Tensor
     rank: int
+    runs = None  # the geometry reads them from doc_ids
+
+    @property
+    def device(self) -> torch.device:
+        return self.doc_ids.device
 
     def plan(self, config: CPConfig) -> Optional[ShardPlan]:
         return None  # the state plans it with config.layout

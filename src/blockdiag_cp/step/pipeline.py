@@ -30,6 +30,7 @@ from ..config import CPConfig
 from ..parallel.heads import HeadGroups, head_groups, make_head_groups
 from ..plan import ShardPlan
 from ..plan.cost import candidate_degrees, choose_ulysses_degree
+from ..plan.geometry import Runs
 from .doc_ids import resolve_doc_ids
 from .inputs import check_batch, check_seq_dims, warn_unsharded
 from .slot import STEP_SLOT
@@ -41,9 +42,13 @@ class AgreedRow(Protocol):
 
     Attributes:
         doc_ids: ``[S_row]`` the row's document ids, the same on every rank of the group, on the step's device.
+        runs: the row's `Runs` when known without reading `doc_ids` (Note [Localized geometry]), else None.
+        device: the step's device.
     """
 
     doc_ids: torch.Tensor
+    runs: Optional[Runs]
+    device: torch.device
 
     def plan(self, config: CPConfig) -> Optional[ShardPlan]:
         """The row's plan over the group (None: the state plans it with ``config.layout``)."""
@@ -77,7 +82,7 @@ def run_step(source: RowSource, batch: dict[str, Any], config: CPConfig, loss_ma
     """The step of `batch` over `source`'s group (Note [One step pipeline]); `batch` becomes this rank's shard."""
     seq_dims, doc_ids_1S, problem = read_inputs(batch, loss_mask, seq_dims, config, source.world)
     row = source.agree(doc_ids_1S, config, problem)
-    heads = step_head_groups(row.doc_ids, source.world, source.rank, source.group, config)
+    heads = step_head_groups(row, source.world, source.rank, source.group, config)
     return shard_agreed(source, row, batch, config, heads, padding_token_id, seq_dims), batch
 
 
@@ -86,8 +91,9 @@ def shard_agreed(source: RowSource, row: AgreedRow, batch: dict[str, Any], confi
                  seq_dims: Optional[Mapping[str, int]] = None) -> "TrainCtx":
     """The pipeline once the ranks agreed and the heads are known: plan, state, move. `heads` None: the
     state places ``heads.ulysses_degree`` without process groups (what tools and benchmarks plan)."""
-    state = build_step_state(row.doc_ids, source.world, source.rank, source.group, config, row.doc_ids.device,
-                             heads, row.plan(config))
+    ids = None if row.runs is not None else row.doc_ids  # known runs: the ids are not read
+    state = build_step_state(ids, source.world, source.rank, source.group, config, row.device, heads,
+                             row.plan(config), runs=row.runs)
     row.move(batch, state.plan, padding_token_id, seq_dims or {})
     return TrainCtx(state, row.replica_of_row(state.plan))
 
@@ -126,14 +132,15 @@ def read_row(batch: dict[str, Any], seq_dims, config: CPConfig, world: int):
         return {}, 0, None, exc
 
 
-def step_head_groups(doc_ids_S: torch.Tensor, world: int, rank: int, group: Any, config: CPConfig) -> HeadGroups:
+def step_head_groups(row: Any, world: int, rank: int, group: Any, config: CPConfig) -> HeadGroups:
     """This rank's head-parallel groups for the step: ``config.heads.ulysses_degree``, or under ``"auto"``
-    the degree of the fewest bytes per rank (`cost.choose_ulysses_degree`), its groups made once."""
+    the degree of the fewest bytes per rank (`cost.choose_ulysses_degree`) for the row's ``doc_ids`` ``[S]`` (read
+    only then), its groups made once."""
     if config.heads.ulysses_degree != "auto":
         return head_groups(group, world, rank, config.heads.ulysses_degree)
     # every candidate's groups first, whatever this row picks: the same groups on every dp replica
     make_head_groups(group, world, rank, candidate_degrees(world, config.heads.attention_heads[0]))
-    choice = choose_ulysses_degree(doc_ids_S, world, config.heads.attention_heads, layout=config.layout,
+    choice = choose_ulysses_degree(row.doc_ids, world, config.heads.attention_heads, layout=config.layout,
                                    options=config.plan, exchange=config.kv_exchange)
     return head_groups(group, world, rank, choice.degree, choice.reason)
 

@@ -180,12 +180,12 @@ def _agree_and_plan(agreed: _Agreed, view: WorldView, lengths: WorldView, device
     no collective on the step's group)."""
     runs = gather_replica_runs(agreed.doc_ids_1S, lengths, config, torch.device("cpu"), agreed.problem)
     row = GlobalRow.of(runs, view)
-    heads = agreed.heads or step_head_groups(row.doc_ids, view.world, view.rank, view.group, config)
+    heads = agreed.heads or step_head_groups(row, view.world, view.rank, view.group, config)
     return build_rank_step(row, plan_global_row(row, view.world, config), view, config, device, heads, warm_up=False)
 
 
 def _finish(pending: _Pending, built: RankStep, view: WorldView, padding_token_id: int) -> None:
     """The main thread's part once planned: the token exchange, `pending.batch` becoming this rank's shard."""
     state = built.state
-    whole = WholeBatch(built.row, view, built.row.doc_ids, pending.agreed.batch_device)
+    whole = WholeBatch(built.row, view, built.state.device, pending.agreed.batch_device)
     whole.move(pending.batch, state.plan, padding_token_id, pending.agreed.seq_dims, built.route)

@@ -23,7 +23,7 @@ from ..kernels import AttentionKernel, fallback_kernels, select_kernel
 from ..parallel.heads import HeadGroups, HeadParallel
 from ..plan.traffic import split_kv_heads, ulysses_elements
 from ..plan import ShardPlan, attention_work, make_plan
-from ..plan.geometry import StepGeometry
+from ..plan.geometry import Runs, StepGeometry
 from .notes import CallNotes
 
 logger = logging.getLogger(__name__)
@@ -151,8 +151,9 @@ class StepState:
 
 
 def build_step_state(
-    doc_ids_S: torch.Tensor, world: int, rank: int, group: Any, config: CPConfig, device: torch.device,
+    doc_ids_S: Optional[torch.Tensor], world: int, rank: int, group: Any, config: CPConfig, device: torch.device,
     heads: Optional[HeadGroups] = None, plan: Optional[ShardPlan] = None, warm_up: bool = True,
+    runs: Optional[Runs] = None,
 ) -> StepState:
     """Plan a step from replicated, validated document ids ``[S]``: layout, exchange, kernel.
 
@@ -163,14 +164,18 @@ def build_step_state(
     ``config.heads.ulysses_degree`` (an int) without process groups, as tools do. `plan`: the shard plan
     when the caller made it already (the whole-batch step plans from lengths), else the layout's. `warm_up`
     False: no NCCL warm-up (the prefetching whole-batch step builds states off the main thread, after its
-    agreement's all-gathers ran on the group: no collective may start from there).
+    agreement's all-gathers ran on the group: no collective may start from there). `runs`: the row's `Runs`
+    when the caller knows them (Note [Localized geometry]).
     """
     if plan is None:
         plan = make_plan(doc_ids_S.cpu(), world, config.layout, config.plan)
-    geometry = StepGeometry.build(plan, doc_ids_S)
+    geometry = StepGeometry.build(plan, doc_ids_S, runs)
     if heads is None and isinstance(config.heads.ulysses_degree, int) and config.heads.ulysses_degree > 1:
         heads = HeadGroups.place(rank, config.heads.ulysses_degree)
-    head_parallel = HeadParallel.build(plan, doc_ids_S, heads, device) if heads and heads.degree > 1 else None
+    head_parallel = None
+    if heads and heads.degree > 1:
+        ids = geometry.doc_ids[: plan.seq_len] if doc_ids_S is None else doc_ids_S
+        head_parallel = HeadParallel.build(plan, ids, heads, device)
     kernel, kernel_reason = select_kernel(config.kernel, device, need_lse=config.kv_exchange == "ring")
     fallbacks = fallback_kernels(config.kernel, kernel, device)
     exchange, exchange_reason = route_exchange(config.kv_exchange, geometry, rank, group, (kernel, *fallbacks),

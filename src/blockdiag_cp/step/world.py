@@ -29,6 +29,7 @@ default group, gradients summed (or averaged with ``grads_averaged_over``) over 
 
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Mapping, Optional
@@ -43,6 +44,7 @@ from ..parallel.collectives import all_gather_flat, p2p_rows
 from ..parallel.heads import SUBGROUPS
 from ..parallel.routes import PeerRows
 from ..plan import ShardPlan, make_plan
+from ..plan.geometry import Runs
 from ..plan.grouped import place_runs, row_runs
 from ..plan.ranges import concat_ranges
 from ..parallel.agree import gather_fingerprints
@@ -165,7 +167,7 @@ class GlobalRowSource:
         replica's ranks hold different rows, or the configs differ (Note [The whole-batch step], 1)."""
         runs = gather_replica_runs(doc_ids_1S, self.view, config, self.device, problem)
         row = GlobalRow.of(runs, self.view)
-        return WholeBatch(row, self.view, row.doc_ids.to(self.device), doc_ids_1S.device)
+        return WholeBatch(row, self.view, self.device, doc_ids_1S.device)
 
 
 @dataclass(frozen=True)
@@ -173,14 +175,23 @@ class WholeBatch:
     """The agreed global row (Note [The whole-batch step], 2-3): planned from lengths, moved point-to-point.
 
     Attributes:
-        row: every replica's documents; view: this rank's place; doc_ids: ``[S]`` the global row's ids on the
-        step's device; batch_device: where the batch's tensors live.
+        row: every replica's documents; view: this rank's place; device: the step's; batch_device: where the
+        batch's tensors live.
     """
 
     row: "GlobalRow"
     view: "WorldView"
-    doc_ids: torch.Tensor
+    device: torch.device
     batch_device: torch.device
+
+    @property
+    def doc_ids(self) -> torch.Tensor:
+        """``[S]`` the global row's ids on the step's device (built when read: Note [Localized geometry])."""
+        return self.row.doc_ids.to(self.device)
+
+    @property
+    def runs(self) -> Runs:
+        return self.row.runs
 
     def plan(self, config: CPConfig) -> ShardPlan:
         return plan_global_row(self.row, self.view.world, config)
@@ -191,7 +202,7 @@ class WholeBatch:
         _move_rows(batch, self.batch_device, self.row, plan, self.view, padding_token_id, seq_dims, route)
 
     def replica_of_row(self, plan: ShardPlan) -> torch.Tensor:
-        return self.row.replica_of(plan.rank_positions(self.view.rank)).to(self.doc_ids.device)
+        return self.row.replica_of(plan.rank_positions(self.view.rank)).to(self.device)
 
 
 @dataclass(frozen=True)
@@ -199,33 +210,50 @@ class GlobalRow:
     """Every replica's documents in dp order, padding left out (Note [The whole-batch step], 2).
 
     Attributes:
-        lengths: ``[n]`` the documents' lengths; doc_ids: ``[S]`` their ids (1-based) on the global row.
+        lengths: ``[n]`` the documents' lengths (document ``i`` has id ``i + 1`` on the global row).
         first: ``[dp + 1]`` where each replica's tokens start on the global row.
-        real: per replica, ``[n_d]`` the replica row's positions of its real tokens.
+        tables: per replica, its row's ``[runs, 2]`` (length, real) table.
+
+    Per-position tables (`doc_ids`) are built on first use (Note [Localized geometry]).
     """
 
     lengths: np.ndarray
-    doc_ids: torch.Tensor
     first: np.ndarray
-    real: tuple[np.ndarray, ...]
+    tables: tuple[np.ndarray, ...]
 
     @staticmethod
     def of(runs: list[np.ndarray], view: WorldView) -> "GlobalRow":
-        lengths, real = [], []
-        for d in range(view.dp):
-            table = runs[view.rank_at[d][0]]  # [runs, 2]: (length, real) of replica d's row
-            starts = np.concatenate([[0], np.cumsum(table[:, 0])[:-1]]).astype(np.int64)
-            is_doc = table[:, 1] == 1
-            lengths.append(table[is_doc, 0])
-            real.append(concat_ranges(torch.from_numpy(starts[is_doc]), torch.from_numpy(table[is_doc, 0])).numpy())
+        tables = tuple(runs[view.rank_at[d][0]] for d in range(view.dp))  # [runs, 2]: (length, real) of replica d
+        lengths = [t[t[:, 1] == 1, 0] for t in tables]
         all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
-        doc_ids = torch.repeat_interleave(torch.arange(1, all_lengths.size + 1), torch.from_numpy(all_lengths))
-        first = np.concatenate([[0], np.cumsum([r.size for r in real])]).astype(np.int64)
-        return GlobalRow(all_lengths, doc_ids, first, tuple(real))
+        first = np.concatenate([[0], np.cumsum([int(n.sum()) for n in lengths])]).astype(np.int64)
+        return GlobalRow(all_lengths.astype(np.int64), first, tables)
+
+    @functools.cached_property
+    def doc_ids(self) -> torch.Tensor:
+        """``[S]`` the documents' ids (1-based) on the global row."""
+        return torch.repeat_interleave(torch.arange(1, self.lengths.size + 1), torch.from_numpy(self.lengths))
+
+    @functools.cached_property
+    def runs(self) -> Runs:
+        """The global row's documents as `Runs` (no padding inside it)."""
+        return Runs.of_lengths(self.lengths)
+
+    def ids_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """``[n]`` the document ids of global positions ``[n]`` (each ``< seq_len``)."""
+        return torch.searchsorted(torch.from_numpy(np.cumsum(self.lengths)), positions, right=True) + 1
+
+    def real_of(self, replica: int) -> np.ndarray:
+        """``[n_d]`` the positions of replica `replica`'s real tokens on its own row."""
+        table = self.tables[replica]
+        starts = np.concatenate([[0], np.cumsum(table[:, 0])[:-1]]).astype(np.int64)
+        is_doc = table[:, 1] == 1
+        return concat_ranges(torch.from_numpy(starts[is_doc]), torch.from_numpy(table[is_doc, 0])).numpy()
 
     @property
     def seq_len(self) -> int:
         return int(self.first[-1])
+
 
     def replica_of(self, positions: torch.Tensor) -> torch.Tensor:
         """``[n]`` int64: the replica each global position came from (-1 beyond the row: padding)."""
@@ -305,7 +333,7 @@ def _move_rows(batch: dict[str, Any], device: torch.device, row: GlobalRow, plan
     positions = plan.rank_positions(view.rank)
     real = positions < row.seq_len
     ids = torch.zeros(positions.numel(), dtype=torch.long)
-    ids[real] = row.doc_ids[positions[real]]
+    ids[real] = row.ids_at(positions[real])
     ids = ids.to(device)
     batch["_packed_seq_ids"] = ids.unsqueeze(0)
     batch["padding_mask"] = (ids == 0).unsqueeze(0)
@@ -325,15 +353,15 @@ class TokenRoute:
 
     @staticmethod
     def build(row: GlobalRow, plan: ShardPlan, view: WorldView) -> "TokenRoute":
-        owner = plan.owner().numpy()
         # sends: my part of my replica's real tokens, grouped by the rank that owns each
         d, c = view.replica, view.cp_index
         mine = np.arange(row.first[d], row.first[d + 1])
         mine = mine[row.sender(mine, view.cp)[1] == c]
-        order = np.lexsort((mine, owner[mine[:]] if mine.size else mine))
-        mine = mine[order]
-        send_rows = row.real[d][mine - row.first[d]]
-        send_splits = np.bincount(owner[mine], minlength=view.world) if mine.size else np.zeros(view.world, int)
+        owner = plan.segments.locate(torch.from_numpy(mine))[0].numpy()
+        order = np.lexsort((mine, owner))
+        mine, owner = mine[order], owner[order]
+        send_rows = row.real_of(d)[mine - row.first[d]]
+        send_splits = np.bincount(owner, minlength=view.world) if mine.size else np.zeros(view.world, int)
         # receives: my positions on the global row, grouped by the rank that sends each
         positions = plan.rank_positions(view.rank).numpy()
         local = np.arange(positions.size)

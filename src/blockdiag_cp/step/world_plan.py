@@ -78,8 +78,8 @@ def build_rank_step(row: GlobalRow, plan: ShardPlan, view: WorldView, config: CP
                     heads: Optional[HeadGroups] = None, warm_up: bool = True) -> RankStep:
     """`view.rank`'s state over ``view.group`` and its token route, for the agreed `row` and its `plan` (no
     collective unless `warm_up` on NCCL, Note [A rank's step without a process group])."""
-    state = build_step_state(row.doc_ids.to(device), view.world, view.rank, view.group, config, device, heads, plan,
-                             warm_up)
+    state = build_step_state(None, view.world, view.rank, view.group, config, device, heads, plan, warm_up,
+                             runs=row.runs)
     route = TokenRoute.build(row, plan, view)
     return RankStep(state, route, row.replica_of(plan.rank_positions(view.rank)).to(device), row)
 
