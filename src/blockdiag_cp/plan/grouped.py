@@ -108,7 +108,7 @@ class Placement:
 
     def shard_plan(self, seq_len: int) -> ShardPlan:
         """The `ShardPlan`: each rank's pieces in position order (padding positions beyond `seq_len`)."""
-        runs = Segments.of(*(torch.from_numpy(a) for a in (self.start, self.length, self.rank)), self.tokens.size)
+        runs = Segments.of(self.start, self.length, self.rank, self.tokens.size)
         return ShardPlan.of_runs("grouped", seq_len, runs, self.tokens.size)
 
 

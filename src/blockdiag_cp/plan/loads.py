@@ -88,30 +88,33 @@ class Loads:
         starts, lengths = items
         order = np.lexsort((starts, -seconds))
         rank_of = np.empty(starts.size, dtype=np.int64)
-        heap = [(float(t), r) for r, t in enumerate(self.seconds)]
+        # (seconds, rank, version): an entry is current while its version is its rank's (a rank placed on
+        # outside the heap leaves its entry behind, dropped when popped: no O(W) rebuild)
+        version = [0] * self.seconds.size
+        heap = [(float(t), r, 0) for r, t in enumerate(self.seconds)]
         heapq.heapify(heap)
         tokens = self.tokens
         for i in order.tolist():
             n, skipped, chosen = int(lengths[i]), [], None
             while heap and len(skipped) < 64:
-                t, r = heapq.heappop(heap)
+                t, r, v = heapq.heappop(heap)
+                if v != version[r]:
+                    continue
                 if tokens[r] + n <= self.cap:
                     chosen = r
                     break
-                skipped.append((t, r))
+                skipped.append((t, r, v))
             if chosen is None:
                 chosen = int(np.argmin(tokens)) if tokens.min() + n > self.cap else int(np.flatnonzero(
                     tokens + n <= self.cap)[np.argmin(self.seconds[tokens + n <= self.cap])])
-                skipped = [(t, r) for t, r in skipped if r != chosen]
-                heap = [(t, r) for t, r in heap if r != chosen]
-                heapq.heapify(heap)
             for entry in skipped:
                 heapq.heappush(heap, entry)
             rank_of[i] = chosen
             self.seconds[chosen] += seconds[i]
             self.compute[chosen] += seconds[i]
             tokens[chosen] += n
-            heapq.heappush(heap, (float(self.seconds[chosen]), chosen))
+            version[chosen] += 1
+            heapq.heappush(heap, (float(self.seconds[chosen]), chosen, version[chosen]))
         self.items = (starts, lengths, rank_of)
 
     def refine(self, item_seconds: Callable[[tuple[np.ndarray, np.ndarray]], np.ndarray], rounds: Optional[int] = None, partners: int = 8) -> None:

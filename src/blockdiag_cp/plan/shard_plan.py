@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
+
+import numpy as np
 
 import torch
 
@@ -39,17 +41,19 @@ class Segments:
     local: torch.Tensor
 
     @staticmethod
-    def of(start: torch.Tensor, length: torch.Tensor, rank: torch.Tensor, world: int) -> "Segments":
-        """From runs ``[G]`` (any order, disjoint, tiling the row) of each rank: sorted, with local rows."""
+    def of(start: Any, length: Any, rank: Any, world: int) -> "Segments":
+        """From runs ``[G]`` (tensors or arrays, any order, disjoint, tiling the row) of `world` ranks: sorted by
+        position, with local rows."""
+        start, length, rank = (np.asarray(a, dtype=np.int64) for a in (start, length, rank))
         keep = length > 0
         start, length, rank = start[keep], length[keep], rank[keep]
-        by_rank = torch.argsort(rank * (int(start.max()) + 1 if start.numel() else 1) + start)
-        rows = torch.cumsum(length[by_rank], 0) - length[by_rank]
-        rank_first = torch.zeros(world, dtype=torch.long).scatter_reduce_(
-            0, rank[by_rank], rows, reduce="amin", include_self=False)
-        local = torch.empty_like(rows).scatter_(0, by_rank, rows - rank_first.index_select(0, rank[by_rank]))
-        order = torch.argsort(start)
-        return Segments(start[order], length[order], rank[order], local[order])
+        by_rank = np.lexsort((start, rank))
+        rows = np.cumsum(length[by_rank]) - length[by_rank]  # each run's first row in the ranks' concatenation
+        rank_first = rows[np.minimum(np.searchsorted(rank[by_rank], np.arange(world)), max(rows.size - 1, 0))]
+        local = np.empty_like(rows)
+        local[by_rank] = rows - rank_first[rank[by_rank]]
+        order = np.argsort(start, kind="stable")
+        return Segments(*(torch.from_numpy(np.ascontiguousarray(a[order])) for a in (start, length, rank, local)))
 
     @property
     def end(self) -> torch.Tensor:
