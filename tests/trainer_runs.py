@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 import tempfile
+import threading
 import warnings
 
 import torch
@@ -214,12 +215,13 @@ def run(s: dict) -> dict:
         warnings.simplefilter("ignore")
         trainer = build(s, tmp)
         trainer.train()
+        planning = [t.name for t in threading.enumerate() if t.name.startswith("blockdiag-cp-plan")]
         metrics = trainer.evaluate() if s["evaluate"] else {}
     steps = [e for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
     params = torch.cat([p.detach().double().reshape(-1) for p in full_parameters(trainer)])
     return {"steps": steps, "eval_loss": metrics.get("eval_loss"), "params": params,
             "wrapper": wrapper_of(trainer), "cp_size": getattr(trainer, "cp_size", None),
-            "dp_size": getattr(trainer, "dp_size", None),
+            "dp_size": getattr(trainer, "dp_size", None), "planning_threads_after_train": planning,
             "metrics": {k: v for k, v in metrics.items() if not k.endswith(("runtime", "per_second"))}}
 
 

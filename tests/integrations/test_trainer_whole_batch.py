@@ -19,6 +19,7 @@ def compare(pool, ddp, label, changes, keys=("loss", "grad_norm"), tol=1e-6, who
     got = pool.run(tr.pool_run, tr.spec(cp=2, whole_batch=whole_batch, **changes))[0]
     want = ddp.run(tr.pool_run, tr.spec(cp=0, **changes))[0]
     tr.assert_same(got, want, keys=keys, tol=tol, param_tol=tol, label=label)
+    assert got["planning_threads_after_train"] == [], (label, "the planning thread outlives train()")
     for key, value in want["metrics"].items():
         assert got["metrics"].get(key) == pytest.approx(value, rel=tol), (label, key, got["metrics"], want["metrics"])
     return got

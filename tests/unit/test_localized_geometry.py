@@ -108,3 +108,16 @@ def test_a_whole_batch_rank_builds_its_state_without_a_table_over_the_global_row
     assert set(world_plan.plan._rank_positions) == {0, 9, 15}
     # the tables, when a tool reads them, are the row's
     assert geometry.doc_ids[: world_plan.row.seq_len].tolist() == world_plan.row.doc_ids.tolist()
+
+
+def test_the_global_row_reads_ids_and_real_tokens_from_its_runs():
+    """`GlobalRow.ids_at` and `real_of` (what a rank's token route and moved ids read) against the dense row."""
+    from blockdiag_cp.step.world_plan import _runs_of, _view
+    from blockdiag_cp.step.world import GlobalRow
+
+    replicas = [[3, -2, 5, 1, -4], [-1, 7, 2], [4]]
+    row = GlobalRow.of(_runs_of(replicas, 3, 1), _view(3, 1, 0))
+    everything = torch.arange(row.seq_len)
+    assert row.ids_at(everything).tolist() == row.doc_ids.tolist() == [1] * 3 + [2] * 5 + [3] + [4] * 7 + [5] * 2 + [6] * 4
+    assert [row.real_of(d).tolist() for d in range(3)] == [[0, 1, 2, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6, 7, 8, 9],
+                                                           [0, 1, 2, 3]]

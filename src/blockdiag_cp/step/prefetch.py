@@ -122,10 +122,12 @@ class WorldStepPrefetcher:
         _finish(pending, built, self.view, padding_token_id)
         return PrefetchedStep(TrainCtx(built.state, built.replica_of_row), pending.batch, blocking)
 
-    def close(self) -> None:
-        """Wait for the submitted plans, stop the thread, destroy the agreements' group."""
-        self.planner.shutdown(wait=True)
-        dist.destroy_process_group(self.lengths.group)
+    def close(self, wait: bool = True) -> None:
+        """Wait for the submitted plans, stop the thread, destroy the agreements' group; `wait` False (after an
+        error, when a peer may be gone): cancel the plans not started and leave the group, without waiting."""
+        self.planner.shutdown(wait=wait, cancel_futures=not wait)
+        if wait:
+            dist.destroy_process_group(self.lengths.group)
 
 
 def prefetched_world_steps(mesh, batches: Iterable[dict[str, Any]], *, config: Optional[CPConfig] = None,
