@@ -10,7 +10,7 @@ of 32k-token rows packed best fit decreasing (the rows' leftover room is padding
 - planning s: `plan_world_step` (the global row and its plan; the same on every rank);
 - host ms per rank: `WorldStepPlan.rank_step` (the rank's `StepState`: geometry, pieces, exchange
   routing, kernel tables, and its token route), the max over the sampled ranks (rank 0, the middle
-  one, the last one, the one holding the most positions);
+  one, the last one, the one holding the most positions, the one whose queries see the most keys);
 - blocking ms: how long the step waits for its plan when planning (planning + one rank's host work)
   runs on a background thread, as `prefetched_world_steps` runs it, beside a stand-in for the previous
   step (``--step sleep:S``: a sleep of S seconds, the GIL free; ``matmul:S``: S seconds of torch
@@ -52,9 +52,14 @@ def replica_rows(mix: str, dp: int, row_len: int, seed: int) -> list[list[int]]:
     return [r.tolist() + ([-(row_len - int(r.sum()))] if r.sum() < row_len else []) for r in batch]
 
 
-def sampled_ranks(plan, count: int) -> list[int]:
+def sampled_ranks(world_plan, count: int) -> list[int]:
+    """Rank 0, the middle one, the last one, the one holding the most positions, and the one holding the last
+    position of the longest document (its queries see the most keys)."""
+    plan, row = world_plan.plan, world_plan.row
     lens = plan.offsets[1:] - plan.offsets[:-1]
-    ranks = [0, plan.world // 2, plan.world - 1, int(torch.argmax(lens))]
+    longest = int(np.argmax(row.lengths))
+    last = int(row.lengths[: longest + 1].sum()) - 1
+    ranks = [0, plan.world // 2, plan.world - 1, int(torch.argmax(lens)), int(plan.segments.locate(torch.tensor([last]))[0])]
     return list(dict.fromkeys(ranks))[:count]
 
 
@@ -92,7 +97,7 @@ def measure(world: int, mix: str, args: argparse.Namespace) -> tuple[float, floa
     world_plan = plan_world_step(rows, dp, cp, config)
     planning = time.perf_counter() - t0
     host = []
-    ranks = sampled_ranks(world_plan.plan, args.ranks)
+    ranks = sampled_ranks(world_plan, args.ranks)
     for rank in ranks:
         t0 = time.perf_counter()
         world_plan.rank_step(rank)
@@ -156,7 +161,7 @@ def main() -> None:
     p.add_argument("--ranks-per-node", type=int, default=8)
     p.add_argument("--row-len", type=int, default=32768)
     p.add_argument("--mixes", nargs="+", default=list(MIXES))
-    p.add_argument("--ranks", type=int, default=4, help="ranks sampled per world (host ms: their max)")
+    p.add_argument("--ranks", type=int, default=5, help="ranks sampled per world (host ms: their max)")
     p.add_argument("--step", default="sleep:2.0", help="the stand-in step: sleep:S, matmul:S or python:S (seconds)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--world4", action="store_true", help="the prefetched step on 4 gloo ranks instead (see above)")
