@@ -12,6 +12,8 @@ from blockdiag_cp import CPConfig
 from blockdiag_cp.plan import PlanOptions, StepCosts, plan_shards
 from blockdiag_cp.plan.geometry import Runs, StepGeometry
 from blockdiag_cp.plan.ranges import intersect_ranges
+from blockdiag_cp.mixers.conv import conv_plan
+from blockdiag_cp.mixers.temperature import document_positions
 from blockdiag_cp.plan.shard_plan import Segments, ShardPlan
 from blockdiag_cp.step.world_plan import plan_world_step
 from blockdiag_cp.testing import doc_ids_from_lengths
@@ -83,6 +85,13 @@ def test_runs_pad_their_tail_whatever_it_holds():
     assert Runs.of_lengths(np.array([2, 4])).padded_to(6).length.tolist() == [2, 4]
 
 
+def geometry_doc_start(world_plan, positions):
+    """Each position's document start from the global row's lengths (padding: its padding run's)."""
+    starts = np.concatenate([[0], np.cumsum(world_plan.row.lengths)])
+    index = np.searchsorted(starts, positions.numpy(), side="right") - 1
+    return torch.from_numpy(starts[np.minimum(index, starts.size - 1)])
+
+
 #: the per-position tables of a geometry and a plan (Note [Localized geometry]): built only when read
 POSITION_TABLES = ("doc_ids", "doc_start", "owner", "local_index", "run", "last_by_run", "need_WS", "gathered_row")
 
@@ -95,17 +104,24 @@ def test_a_whole_batch_rank_builds_its_state_without_a_table_over_the_global_row
     replicas = [[2500, *rng.integers(1, 300, 30).tolist()] for _ in range(4)]  # long documents are cut
     config = CPConfig(layout="grouped", kv_exchange=exchange, kernel="sdpa", plan=PlanOptions(ranks_per_node=4))
     world_plan = plan_world_step(replicas, 4, 4, config)
-    moved = []
+    moved, listed = [], set()
     for rank in (0, 9, 15):
         step = world_plan.rank_step(rank)
         step.state.exchange_for(window=64)
+        conv_plan(step.state, 4)  # a hybrid model's conv halo, and Llama 4's positions in their documents
+        positions = step.state.positions
+        assert document_positions(step.state).tolist() == (positions - geometry_doc_start(world_plan, positions)).tolist()
         geometry = step.state.geometry
         assert not set(POSITION_TABLES) & set(vars(geometry)), (rank, set(POSITION_TABLES) & set(vars(geometry)))
         assert "doc_ids" not in vars(world_plan.row)
         assert world_plan.plan.given_positions is None and "positions" not in vars(world_plan.plan)
         moved.append(step.state.exchange.traffic.recv_fwd)
+        exchange = step.state.exchange
+        if hasattr(exchange, "recv_splits"):  # the positions listed: its own and its peers' (a conv halo's owners)
+            peers = {r for r, n in enumerate(exchange.recv_splits) if n} | {rank}
+            listed |= peers
+            assert set(world_plan.plan._rank_positions) <= listed, (rank, world_plan.plan._rank_positions.keys())
     assert any(moved), "the sampled ranks route no rows: the case does not exercise the routing"
-    assert set(world_plan.plan._rank_positions) == {0, 9, 15}
     # the tables, when a tool reads them, are the row's
     assert geometry.doc_ids[: world_plan.row.seq_len].tolist() == world_plan.row.doc_ids.tolist()
 

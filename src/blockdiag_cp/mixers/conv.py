@@ -70,7 +70,7 @@ class ConvPlan:
                  EntryRoute.gather(group, rank, counts))
         slot_of = _halo_slots(geometry, rank, sends, route, L)
         delivered = route.own + sum(route.recv_splits) if route.peers else W * route.pad
-        cat, out = _layout(geometry.pieces(rank), geometry.doc_start, slot_of, width, L, L + delivered)
+        cat, out = _layout(geometry.pieces(rank), slot_of, width, L, L + delivered)
         send = sends[rank].to(device) if route.moves_anything else None
         return ConvPlan(width, route, send, delivered, cat.to(device), out.to(device))
 
@@ -117,10 +117,9 @@ class HaloReads:
         span = pieces.global_start - first
         position = concat_ranges(first, span)
         reader = torch.repeat_interleave(piece_rank, span)
-        owner = geometry.owner.index_select(0, position)
+        owner, row = geometry.plan.segments.locate(position)
         elsewhere = owner != reader
-        position, reader, owner = position[elsewhere], reader[elsewhere], owner[elsewhere]
-        return HaloReads(owner, geometry.local_index.index_select(0, position), reader)
+        return HaloReads(owner[elsewhere], row[elsewhere], reader[elsewhere])
 
     def rows_of(self, rank: int) -> torch.Tensor:
         """Local rows of `rank` another rank reads (ascending, once each)."""
@@ -142,22 +141,39 @@ def _peer_route(reads: HaloReads, rank: int, group: Any, sends: list[torch.Tenso
     return EntryRoute.between_peers(group, rank, [s.numel() for s in sends], wanted_from, wanted_by)
 
 
-def _halo_slots(geometry: StepGeometry, rank: int, sends: list[torch.Tensor], route: EntryRoute, L: int) -> torch.Tensor:
-    """``[S_pad]``: each position's row in ``[local | delivered]`` as `rank` sees it (-1: not here)."""
-    slot = torch.full((geometry.plan.padded_len,), -1, dtype=torch.long)
-    mine = geometry.plan.rank_positions(rank)
-    slot[mine] = torch.arange(L)
-    for source, rows in enumerate(sends):
-        if source == rank or rows.numel() == 0 or (route.peers and source not in route.recv_lookup):
+@dataclass(frozen=True)
+class _HaloSlots:
+    """Where the positions `rank` holds sit in ``[local | delivered]``: ``positions`` ``[n]`` ascending and their
+    ``rows`` ``[n]`` (its own and the delivered ones only: O(own share + halo), not a table over the row)."""
+
+    positions: torch.Tensor
+    rows: torch.Tensor
+
+    def of(self, positions: torch.Tensor) -> torch.Tensor:
+        """``[m]`` the row of each of `positions` ``[m]`` (-1: not here)."""
+        if self.positions.numel() == 0:
+            return torch.full_like(positions, -1)
+        at = torch.searchsorted(self.positions, positions).clamp(max=self.positions.numel() - 1)
+        return torch.where(self.positions.index_select(0, at) == positions, self.rows.index_select(0, at), -1)
+
+
+def _halo_slots(geometry: StepGeometry, rank: int, sends: list[torch.Tensor], route: EntryRoute,
+                L: int) -> _HaloSlots:
+    """Each position's row in ``[local | delivered]`` as `rank` sees it."""
+    positions, rows = [geometry.plan.rank_positions(rank)], [torch.arange(L)]
+    for source, sent in enumerate(sends):
+        if source == rank or sent.numel() == 0 or (route.peers and source not in route.recv_lookup):
             continue
-        entries = torch.arange(rows.numel())
+        entries = torch.arange(sent.numel())
         if route.peers:
             entries = torch.nonzero(route.recv_lookup[source] >= 0).flatten()
-        slot[geometry.plan.rank_positions(source)[rows[entries]]] = L + route.rows(source, entries)
-    return slot
+        positions.append(geometry.plan.rank_positions(source)[sent[entries]])
+        rows.append(L + route.rows(source, entries))
+    positions_all, order = torch.sort(torch.cat(positions))
+    return _HaloSlots(positions_all, torch.cat(rows).index_select(0, order))
 
 
-def _layout(pieces, doc_start: torch.Tensor, slot_of: torch.Tensor, width: int, L: int, zero: int):
+def _layout(pieces, slot_of: _HaloSlots, width: int, L: int, zero: int):
     """``(cat_index [T], out_index [L])`` for the ``[halo | piece]`` segments of `pieces`."""
     cat, out, taken = [], torch.full((L,), -1, dtype=torch.long), 0
     for local0, length, g0, d0 in zip(*(t.tolist() for t in (pieces.local_start, pieces.length,
@@ -165,7 +181,7 @@ def _layout(pieces, doc_start: torch.Tensor, slot_of: torch.Tensor, width: int, 
         halo = torch.arange(g0 - (width - 1), g0)
         inside = halo >= d0
         rows = torch.full_like(halo, zero)
-        rows[inside] = slot_of[halo[inside]]
+        rows[inside] = slot_of.of(halo[inside])
         ensure(not bool((rows < 0).any()), "a conv halo row is missing from the plan")
         cat += [rows, torch.arange(local0, local0 + length)]
         out[local0 : local0 + length] = taken + torch.arange(length)

@@ -107,4 +107,4 @@ def document_positions(state: Any) -> torch.Tensor:
     """``[L]`` int64: each of this rank's tokens' position in its document under the step `state`
     (its global position less its document's start; padding gets its run's offset, unused)."""
     positions = state.positions
-    return positions - state.geometry.doc_start[positions]
+    return positions - state.geometry.doc_start_of(positions)

@@ -322,6 +322,10 @@ class StepGeometry:
         owner, local = self.plan.segments.locate(positions)
         return owner * self.plan.max_local_len + local
 
+    def doc_start_of(self, positions: torch.Tensor) -> torch.Tensor:
+        """``[n]`` the first position of each position's run (its document's, or its padding run's)."""
+        return self.runs.start.index_select(0, torch.searchsorted(self.runs.start, positions, right=True) - 1)
+
     def need_at(self, positions: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
         """``[W, n]`` bool: which ranks' queries see the keys at `positions` ``[n]`` (under `window`)."""
         return self.needs(window).at(positions)
