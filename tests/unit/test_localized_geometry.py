@@ -137,3 +137,24 @@ def test_the_global_row_reads_ids_and_real_tokens_from_its_runs():
     assert row.ids_at(everything).tolist() == row.doc_ids.tolist() == [1] * 3 + [2] * 5 + [3] + [4] * 7 + [5] * 2 + [6] * 4
     assert [row.real_of(d).tolist() for d in range(3)] == [[0, 1, 2, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6, 7, 8, 9],
                                                            [0, 1, 2, 3]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(segs=rows, world=st.integers(2, 5), width=st.integers(1, 6))
+def test_halo_reads_are_the_keys_another_rank_owns(segs, world, width):
+    """`HaloReads` (a conv of `width`'s halo, from the plan's segments) against the per-position tables: the
+    ``width - 1`` positions of its document before each of a rank's pieces that another rank owns."""
+    from blockdiag_cp.mixers.conv import HaloReads
+
+    ids = doc_ids_from_lengths(segs)
+    plan = plan_shards(ids, world, "grouped", options=PlanOptions(costs=GROUPED_COSTS))
+    geometry = StepGeometry.build(plan, ids)
+    reads = HaloReads.of(geometry, width)
+    got = sorted(zip(reads.owner.tolist(), reads.row.tolist(), reads.reader.tolist()))
+    owner, local, doc_start = geometry.owner.tolist(), geometry.local_index.tolist(), geometry.doc_start.tolist()
+    want = []
+    for reader in range(world):
+        p = geometry.pieces(reader)
+        for g0, d0 in zip(p.global_start.tolist(), p.doc_start.tolist()):
+            want += [(owner[g], local[g], reader) for g in range(max(d0, g0 - width + 1), g0) if owner[g] != reader]
+    assert got == sorted(want)
