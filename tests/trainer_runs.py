@@ -170,7 +170,8 @@ def build(s: dict, output_dir: str):
 
     config = None if s["layout"] is None else CPConfig(layout=s["layout"])
     return type(f"CP{base.__name__}", (BlockDiagCPMixin, base), {})(cp_size=s["cp"], whole_batch=s["whole_batch"],
-                                                                   cp_config=config, **kw)
+                                                                   cp_config=config, linear_ce=s.get("linear_ce", False),
+                                                                   **kw)
 
 
 class CPUStandInForAccelerateFSDP2:
