@@ -214,9 +214,10 @@ def run(s: dict) -> dict:
     """Train (and evaluate) the run `s`; what the comparisons read."""
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        before = set(threading.enumerate())  # a pool's process may hold threads of earlier runs
         trainer = build(s, tmp)
         trainer.train()
-        planning = [t.name for t in threading.enumerate() if t.name.startswith("blockdiag-cp-plan")]
+        planning = [t.name for t in set(threading.enumerate()) - before if t.name.startswith("blockdiag-cp-plan")]
         metrics = trainer.evaluate() if s["evaluate"] else {}
     steps = [e for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
     params = torch.cat([p.detach().double().reshape(-1) for p in full_parameters(trainer)])

@@ -242,7 +242,24 @@ class RowsStrategy:
 
     def train(self, parent: Callable, *args: Any, **kwargs: Any) -> Any:
         """`parent` (the Trainer's training); with ``neftune_noise_alpha``, NEFTune's noise is the run without CP's
-        (Note [NEFTune under CP] in hf/neftune.py) in place of the Trainer's hook, which sizes it by the shard."""
+        (Note [NEFTune under CP] in hf/neftune.py) in place of the Trainer's hook, which sizes it by the shard. The
+        whole-batch mode's planning thread and group end with it (waited for when training ends, abandoned when
+        it raises: a peer may be gone)."""
+        try:
+            result = self._train(parent, *args, **kwargs)
+        except BaseException:
+            self._close_prefetcher(wait=False)
+            raise
+        self._close_prefetcher(wait=True)
+        return result
+
+    def _close_prefetcher(self, wait: bool) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close(wait=wait)
+        self.prefetcher = None
+        self.prefetched.clear()
+
+    def _train(self, parent: Callable, *args: Any, **kwargs: Any) -> Any:
         t = self.trainer
         alpha = t.neftune_noise_alpha
         if alpha is None:
