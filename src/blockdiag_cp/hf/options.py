@@ -50,6 +50,7 @@ DPO_TESTS = "tests/integrations/test_trl_rl.py::test_dpo_and_grpo_at_dp2_cp2_equ
 READERS = "tests/integrations/test_trainer.py::test_every_cp_rank_reads_what_its_replica_reads_without_cp"
 FSDP2_TESTS = "tests/integrations/test_sharded_trainer.py::test_accelerate_fsdp2_equals_fsdp2_without_cp"
 ZERO_TESTS = "tests/integrations/test_sharded_trainer.py::test_deepspeed_zero_equals_the_same_stage_without_cp"
+OFFLOAD_TESTS = "tests/integrations/test_activation_offloading.py::test_activation_offloading_under_cp_equals_the_run_without_it"
 
 
 def _unset(value: Any) -> bool:
@@ -294,8 +295,8 @@ SFT_CONFIG = types.MappingProxyType({
     "loss_type": Rule(VERIFIED, f"nll and dft on shards with the unsharded rows' targets: {SFT_TESTS}",
                       ok=lambda v: v in ("nll", "dft")),
     "router_aux_loss_coef": Rule(VERIFIED, f"the load-balancing loss of the unsharded rows: {MOE_TESTS}"),
-    "activation_offloading": Rule(REFUSED, "activation offloading moves the CP attention's saved tensors through its "
-                                  "own hooks, not verified under CP: use activation checkpointing"),
+    "activation_offloading": Rule(VERIFIED, "TRL's saved-tensor hooks copy and rebuild the CP attention's saved tensors "
+                                  f"as any others: {OFFLOAD_TESTS}"),
 })
 
 #: fields DPOConfig and GRPOConfig share
