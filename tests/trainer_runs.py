@@ -23,9 +23,11 @@ BASE = dict(steps=2, batch=3, accum=2, docs=24, eval_docs=6, lr=1e-2, prompt=0.5
 
 def spec(**changes) -> dict:
     """A run: `BASE` with `changes` (``trainer``: "trainer" or "sft"; ``cp``; ``model``; ``args``: option overrides;
-    ``layout``: the mixin's ``cp_config=CPConfig(layout=...)``, None: no cp_config)."""
+    ``layout``: the mixin's ``cp_config=CPConfig(layout=...)``, None: no cp_config; ``output_dir``: where checkpoints
+    go, the same path on every rank (None: a temporary directory); ``resume``: ``train(resume_from_checkpoint=...)``)."""
     out = {**BASE, "trainer": "trainer", "cp": 0, "model": "llama", "args": {}, "loss_func": None,
-           "accepts_loss_kwargs": True, "sft": {}, "whole_batch": False, "layout": None}
+           "accepts_loss_kwargs": True, "sft": {}, "whole_batch": False, "layout": None, "output_dir": None,
+           "resume": None}
     out.update(changes)
     return out
 
@@ -193,6 +195,7 @@ class CPUStandInForAccelerateFSDP2:
             super().create_accelerator_and_postprocess()
         finally:
             self.args.parallelism_config = config
+        from accelerate import PartialState
         from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
         state = self.accelerator.state
@@ -202,6 +205,9 @@ class CPUStandInForAccelerateFSDP2:
         if state.mixed_precision != "no":
             plugin.set_mixed_precision(state.mixed_precision)
         state.distributed_type, state.fsdp_plugin = DistributedType.FSDP, plugin
+        # as AcceleratorState.__init__ ends: every later AcceleratorState() (the prepared optimizer's) copies the
+        # PartialState's type over its own, which would turn the run back into MULTI_CPU (no FSDP2 state dicts)
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
         self.is_fsdp_enabled = True
         if config is not None:  # what Accelerator.__init__ does with it, on the FSDP state
             state.parallelism_config, state.device_mesh = config, config.get_device_mesh(self.accelerator.device.type)
@@ -212,8 +218,8 @@ def run(s: dict) -> dict:
     """Train (and evaluate) the run `s`; what the comparisons read."""
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = build(s, tmp)
-        trainer.train()
+        trainer = build(s, s["output_dir"] or tmp)
+        trainer.train(resume_from_checkpoint=s["resume"])
         metrics = trainer.evaluate() if s["evaluate"] else {}
     steps = [e for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
     params = torch.cat([p.detach().double().reshape(-1) for p in full_parameters(trainer)])
