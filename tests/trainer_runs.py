@@ -214,6 +214,19 @@ class CPUStandInForAccelerateFSDP2:
             config._validate_accelerator(self.accelerator)
 
 
+def zero(stage: int, **extra) -> dict:
+    """A DeepSpeed config as people write it for the Trainer: ZeRO `stage`, the rest "auto" (the Trainer's args)."""
+    return {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto",
+            "train_batch_size": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                      "weight_decay": "auto", "torch_adam": True}}, **extra}
+
+
+def fsdp2(**config) -> dict:
+    """``TrainingArguments`` options for accelerate's FSDP2, as people set them."""
+    return {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, **config}}
+
+
 def run(s: dict) -> dict:
     """Train (and evaluate) the run `s`; what the comparisons read."""
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
