@@ -65,7 +65,8 @@ def _failure_message(exc: RuntimeError, where: Callable[[], str]) -> Optional[st
         return None
     collective = f"torch.distributed.{frames[-1].name}" if raised_in_dist else type(exc).__name__
     callers = [f for f in frames if f.filename.startswith(_LIBRARY) and not f.filename.endswith("failures.py")]
-    called = "".join(f", called from {f.name} ({os.path.relpath(f.filename, os.path.dirname(_LIBRARY))}:{f.lineno})"
+    root = os.path.dirname(_LIBRARY.rstrip(os.sep))
+    called = "".join(f", called from {f.name} ({os.path.relpath(f.filename, root)}:{f.lineno})"
                      for f in reversed(callers[-2:]))
     return (f"blockdiag-cp: {collective} failed in {where()}{called}. A peer rank of this collective died or did "
             f"not answer within the process group's timeout; the backend said: {str(exc).strip()}")
