@@ -40,16 +40,11 @@ def peak_kib() -> int:
 
 
 def stack_args(stack: str) -> dict:
-    """``TrainingArguments`` options of `stack`, as people write them."""
-    if stack == "zero3":
-        return {"deepspeed": {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
-                              "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
-                              "gradient_clipping": "auto", "optimizer": {"type": "AdamW", "params": {
-                                  "lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto",
-                                  "torch_adam": True}}}}
-    if stack == "fsdp2":
-        return {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}}
-    return {}
+    """``TrainingArguments`` options of `stack`, as people write them (the tests' own: tests/trainer_runs.py)."""
+    sys.path.insert(0, TESTS)
+    from trainer_runs import fsdp2, zero
+
+    return {"zero3": {"deepspeed": zero(3)}, "fsdp2": fsdp2(), "ddp": {}}[stack]
 
 
 def worker(rank: int, world: int, stack: str, linear_ce: bool, tokens: int, vocab: int) -> dict:
@@ -60,6 +55,7 @@ def worker(rank: int, world: int, stack: str, linear_ce: bool, tokens: int, voca
     from blockdiag_cp.trainer import BlockDiagCPTrainer
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    options = stack_args(stack)
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
@@ -82,15 +78,14 @@ def worker(rank: int, world: int, stack: str, linear_ce: bool, tokens: int, voca
 
     trainer_class = BlockDiagCPTrainer
     if stack == "fsdp2":
-        sys.path.insert(0, TESTS)
-        from trainer_runs import CPUStandInForAccelerateFSDP2
+        from trainer_runs import CPUStandInForAccelerateFSDP2  # on sys.path: stack_args
 
         trainer_class = type("CPUFSDP2Trainer", (CPUStandInForAccelerateFSDP2, BlockDiagCPTrainer), {})
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         args = transformers.TrainingArguments(
             output_dir=tmp, per_device_train_batch_size=DOCUMENTS, max_steps=2, learning_rate=1e-4, logging_steps=1,
-            save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True, seed=0, **stack_args(stack))
+            save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True, seed=0, **options)
         try:
             trainer = trainer_class(model=model, args=args, train_dataset=documents, cp_size=world, linear_ce=linear_ce,
                                     data_collator=transformers.DataCollatorWithFlattening(), callbacks=[Peak()])

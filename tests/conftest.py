@@ -41,3 +41,21 @@ def rank_pools():
         pool.stop()  # every pool's ranks tear down at once
     for pool in pools.values():
         pool.close()
+
+
+@pytest.fixture
+def own_pools():
+    """``own_pools(world)``: gloo rank pools for this test only (closed at its end): for runs that leave process-wide
+    state behind (DeepSpeed's communication backend, transformers' ZeRO-3 flag, accelerate's shared state)."""
+    from blockdiag_cp.testing import RankPool
+
+    pools = {}
+
+    def get(world):
+        if world not in pools:
+            pools[world] = RankPool(world, timeout=900)
+        return pools[world]
+
+    yield get
+    for pool in pools.values():
+        pool.close()

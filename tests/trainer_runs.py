@@ -24,9 +24,11 @@ BASE = dict(steps=2, batch=3, accum=2, docs=24, eval_docs=6, lr=1e-2, prompt=0.5
 
 def spec(**changes) -> dict:
     """A run: `BASE` with `changes` (``trainer``: "trainer" or "sft"; ``cp``; ``model``; ``args``: option overrides;
-    ``layout``: the mixin's ``cp_config=CPConfig(layout=...)``, None: no cp_config)."""
+    ``layout``: the mixin's ``cp_config=CPConfig(layout=...)``, None: no cp_config; ``output_dir``: where checkpoints
+    go, the same path on every rank (None: a temporary directory); ``resume``: ``train(resume_from_checkpoint=...)``)."""
     out = {**BASE, "trainer": "trainer", "cp": 0, "model": "llama", "args": {}, "loss_func": None,
-           "accepts_loss_kwargs": True, "sft": {}, "whole_batch": False, "layout": None}
+           "accepts_loss_kwargs": True, "sft": {}, "whole_batch": False, "layout": None, "output_dir": None,
+           "resume": None}
     out.update(changes)
     return out
 
@@ -195,6 +197,7 @@ class CPUStandInForAccelerateFSDP2:
             super().create_accelerator_and_postprocess()
         finally:
             self.args.parallelism_config = config
+        from accelerate import PartialState
         from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
         state = self.accelerator.state
@@ -204,10 +207,26 @@ class CPUStandInForAccelerateFSDP2:
         if state.mixed_precision != "no":
             plugin.set_mixed_precision(state.mixed_precision)
         state.distributed_type, state.fsdp_plugin = DistributedType.FSDP, plugin
+        # as AcceleratorState.__init__ ends: every later AcceleratorState() (the prepared optimizer's) copies the
+        # PartialState's type over its own, which would turn the run back into MULTI_CPU (no FSDP2 state dicts)
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
         self.is_fsdp_enabled = True
         if config is not None:  # what Accelerator.__init__ does with it, on the FSDP state
             state.parallelism_config, state.device_mesh = config, config.get_device_mesh(self.accelerator.device.type)
             config._validate_accelerator(self.accelerator)
+
+
+def zero(stage: int, **extra) -> dict:
+    """A DeepSpeed config as people write it for the Trainer: ZeRO `stage`, the rest "auto" (the Trainer's args)."""
+    return {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto",
+            "train_batch_size": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                      "weight_decay": "auto", "torch_adam": True}}, **extra}
+
+
+def fsdp2(**config) -> dict:
+    """``TrainingArguments`` options for accelerate's FSDP2, as people set them."""
+    return {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, **config}}
 
 
 def run(s: dict) -> dict:
@@ -215,8 +234,8 @@ def run(s: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         before = set(threading.enumerate())  # a pool's process may hold threads of earlier runs
-        trainer = build(s, tmp)
-        trainer.train()
+        trainer = build(s, s["output_dir"] or tmp)
+        trainer.train(resume_from_checkpoint=s["resume"])
         planning = [t.name for t in set(threading.enumerate()) - before if t.name.startswith("blockdiag-cp-plan")]
         metrics = trainer.evaluate() if s["evaluate"] else {}
     steps = [e for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]

@@ -27,6 +27,10 @@ Note [Error policy]
   step ends without the model having called the library at all. Each of these depends only on
   the model, its config and the replicated document ids, so inside a step every rank raises the
   same refusal at the same point, before the collective of that call: none is left waiting.
+- A *collective* that fails inside the Trainer mixin's step (a peer rank died or did not answer within the
+  process group's timeout) is a `CollectiveFailure`, a `RuntimeError` naming the collective, the library code
+  that called it, the step and the rank's place, the backend's error chained (Note [A peer that dies mid-step]
+  in parallel/failures.py).
 """
 
 from __future__ import annotations
@@ -46,6 +50,11 @@ class ModelRefusal(ValueError):
     def __init__(self, message: str, reason: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class CollectiveFailure(RuntimeError):
+    """A collective of a step failed on this rank: a peer died or did not answer in time (Note [Error policy]).
+    The backend's exception is its ``__cause__``."""
 
 
 class InvariantError(AssertionError):

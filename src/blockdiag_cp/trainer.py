@@ -78,6 +78,7 @@ from .hf.parallelism import read_parallelism_config
 from .hf.replica import first_cp_rank_rows, gather_over_replicas, share_from_cp_rank0
 from .hf.trainer_kinds import TrainerStrategy, strategy_for
 from .mixers import prepare_model
+from .parallel.failures import inherit_world_timeout, naming_collective_failures
 from .step.inputs import check_seq_dims
 
 logger = logging.getLogger(__name__)
@@ -204,6 +205,21 @@ class BlockDiagCPMixin:
         self._strategy.prefetch(samples)
         return samples, num_items
 
+    def training_step(self, *args: Any, **kwargs: Any):
+        """The Trainer's step (forward and backward, the CP exchanges and the gradient all-reduce in it); a collective
+        that fails in it (a peer died, or did not answer within the process group's timeout) raises a
+        `CollectiveFailure` naming it, the step and this rank (Note [A peer that dies mid-step] in
+        parallel/failures.py)."""
+        with naming_collective_failures(self._where):
+            return super().training_step(*args, **kwargs)
+
+    def _where(self) -> str:
+        """This rank's place, for errors: the optimizer step, the rank in the world and in the (dp, cp) mesh."""
+        cp_rank = 0 if self.cp_mesh is None else self.cp_mesh.get_local_rank()
+        return (f"optimizer step {self.state.global_step + 1} on rank {self.args.process_index} of "
+                f"{self.args.world_size} (dp replica {self.dp_rank} of {self.dp_size}, CP rank {cp_rank} of "
+                f"{self.cp_size})")
+
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch: Any = None):
         """The Trainer's (or TRL's) loss, every path of it normalized as without CP (Note [Losses outside the
         model under CP] in hf/losses.py); TRL's logged ``num_tokens`` then counts the real tokens of the step,
@@ -323,7 +339,8 @@ def _no_batch_dispatch(training_args) -> None:
 
 def _cp_mesh(dp: int, cp: int, device: torch.device):
     """``(the (dp, cp) DeviceMesh, its cp sub-mesh, dp rank, dp process group)`` over the world (the dp group
-    joins the ranks of this rank's CP index, one per replica); Nones and 0 without torch.distributed."""
+    joins the ranks of this rank's CP index, one per replica), its groups with the world group's timeout; Nones
+    and 0 without torch.distributed."""
     if not (dist.is_available() and dist.is_initialized()):
         if dp * cp != 1:
             raise ValueError("cp_size > 1 needs torch.distributed: launch with torchrun")
@@ -331,6 +348,7 @@ def _cp_mesh(dp: int, cp: int, device: torch.device):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
+    inherit_world_timeout(mesh)  # a hung peer fails the CP exchange when the world's timeout says so
     return mesh, mesh["cp"], mesh.get_local_rank("dp"), mesh["dp"].get_group()
 
 

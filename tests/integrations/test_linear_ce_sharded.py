@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import trainer_runs as tr  # noqa: E402
-from test_sharded_trainer import fsdp2, zero  # noqa: E402
+from trainer_runs import fsdp2, zero  # noqa: E402
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
 """The Trainer and TRL's SFTTrainer on sharded training stacks (DeepSpeed ZeRO, FSDP2) under the mixin, each
 against the same stack without CP: the same world of dp replicas, the same data.
 
-In-process runs (tests/trainer_runs.py) on fresh gloo rank pools of their own (DeepSpeed keeps process-wide
-state: its communication backend, transformers' ZeRO-3 flag), closed at the end of each test: the CP run on
+In-process runs (tests/trainer_runs.py) on fresh gloo rank pools of their own (``own_pools`` in conftest.py),
+closed at the end of each test: the CP run on
 ``dp x cp`` ranks, the run without CP on ``dp`` ranks. Float64 tiny Llama (its losses in float32, as
 transformers computes them); DeepSpeed trains over gloo on CPU (its CPU accelerator; design.md section 5).
 """
@@ -15,16 +15,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import trainer_runs as tr  # noqa: E402
+from trainer_runs import fsdp2, zero  # noqa: E402
 
 SFT = {"trainer": "sft"}
-
-
-def zero(stage: int, **extra) -> dict:
-    """A DeepSpeed config as people write it for the Trainer: ZeRO `stage`, the rest "auto" (the Trainer's args)."""
-    return {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto",
-            "train_batch_size": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                      "weight_decay": "auto", "torch_adam": True}}, **extra}
 
 
 def compare(pools, dp: int, label: str, changes: dict, wrapper: str, tol=1e-6, param_tol=1e-6, grad_tol=None):
@@ -35,23 +28,6 @@ def compare(pools, dp: int, label: str, changes: dict, wrapper: str, tol=1e-6, p
     assert got["wrapper"] == want["wrapper"] == wrapper, (label, got["wrapper"], want["wrapper"])
     tr.assert_same(got, want, keys=("loss",), tol=tol, param_tol=param_tol, label=label)
     tr.assert_same(got, want, keys=("grad_norm",), tol=grad_tol or tol, param_tol=param_tol, label=label)
-
-
-@pytest.fixture
-def own_pools():
-    """``own_pools(world)``: gloo rank pools for this test only (closed at its end)."""
-    from blockdiag_cp.testing import RankPool
-
-    pools = {}
-
-    def get(world):
-        if world not in pools:
-            pools[world] = RankPool(world, timeout=900)
-        return pools[world]
-
-    yield get
-    for pool in pools.values():
-        pool.close()
 
 
 @pytest.mark.slow
@@ -79,11 +55,6 @@ def test_deepspeed_zero_equals_the_same_stage_without_cp(own_pools, tmp_path):
     compare(own_pools, 2, "dp2 ZeRO-2, Trainer, accepts_loss_kwargs=False",
             {"accepts_loss_kwargs": False, "args": {"deepspeed": zero(2), **clip}}, "DeepSpeedEngine ZeRO-2",
             param_tol=5e-6)  # observed 1.1e-6
-
-
-def fsdp2(**config) -> dict:
-    """``TrainingArguments`` options for accelerate's FSDP2, as people set them."""
-    return {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, **config}}
 
 
 @pytest.mark.slow
