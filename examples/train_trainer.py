@@ -5,6 +5,10 @@
     python examples/train_trainer.py --cp 0 --dp 2                                       # the run without CP
     torchrun --standalone --nproc-per-node 2 examples/train_trainer.py --cp 0            # without CP, plain DDP
     torchrun --standalone --nproc-per-node 2 examples/train_trainer.py --cp 2 --model nemotron_h   # a hybrid
+    torchrun --standalone --nproc-per-node 4 examples/train_trainer.py --cp 2 --zero 3 --output-dir runs/a --save-steps 2
+    # 2 nodes x 8 GPUs, FSDP2 + CP 2 + the linear-CE loss (docs/trainer.md, "A real run"):
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 --max-restarts 3 \
+        examples/train_trainer.py --cp 2 --fsdp2 --bf16 --linear-ce --output-dir /shared/run --save-steps 200
 
 `--cp 0` is transformers' own Trainer (no blockdiag-cp): in one process with the batches
 of `--dp` replicas, or under torchrun as plain DDP (`--dp 1`: each process one replica):
@@ -103,14 +107,37 @@ def training_arguments(args: argparse.Namespace, output_dir: str, replicas: int 
     prefix = "activation" if "activation_checkpointing" in names else "gradient"  # transformers 5.x renamed it
     checkpointing = {f"{prefix}_checkpointing": args.checkpointing, f"{prefix}_checkpointing_kwargs": {"use_reentrant": False}}
     length = {"max_steps": args.steps} if args.epochs is None else {"num_train_epochs": args.epochs}
-    return transformers.TrainingArguments(
+    return transformers.TrainingArguments(**sharding_arguments(args), **saving_arguments(args),
         output_dir=output_dir, per_device_train_batch_size=args.batch * replicas,
         per_device_eval_batch_size=(args.eval_batch or args.batch) * replicas, gradient_accumulation_steps=args.accum,
-        learning_rate=3e-3, logging_steps=1, save_strategy="no", report_to="none", bf16=args.bf16, seed=0, data_seed=0,
+        learning_rate=3e-3, logging_steps=1, report_to="none", bf16=args.bf16, seed=0, data_seed=0,
         dataloader_drop_last=args.drop_last, use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
         include_num_input_tokens_seen="non_padding", accelerator_config={"even_batches": not args.uneven_batches},
         torch_compile=args.compile is not None, torch_compile_backend=args.compile, **length, **checkpointing,
     )
+
+
+def sharding_arguments(args: argparse.Namespace) -> dict:
+    """``--zero N``: DeepSpeed ZeRO stage N (a config of "auto"s, the Trainer's own values); ``--fsdp2``:
+    accelerate's FSDP2 over every rank (GPUs: accelerate runs FSDP on accelerators only)."""
+    if args.zero and args.fsdp2:
+        raise SystemExit("--zero and --fsdp2 are two sharded stacks: pick one")
+    if args.fsdp2 and not torch.cuda.is_available():
+        raise SystemExit("--fsdp2 runs on GPUs (accelerate drops its FSDP plugin on CPU); on CPU use --zero 2 or 3")
+    if args.zero:
+        return {"deepspeed": {"zero_optimization": {"stage": args.zero}, "train_micro_batch_size_per_gpu": "auto",
+                              "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+                              "gradient_clipping": "auto", "bf16": {"enabled": "auto"}}}
+    if args.fsdp2:
+        return {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "state_dict_type": "SHARDED_STATE_DICT"}}
+    return {}
+
+
+def saving_arguments(args: argparse.Namespace) -> dict:
+    """``--save-steps N``: a checkpoint every N optimizer steps under ``--output-dir`` (sharded under ZeRO / FSDP2)."""
+    if not args.save_steps:
+        return {"save_strategy": "no"}
+    return {"save_strategy": "steps", "save_steps": args.save_steps}
 
 
 def build_trainer(args: argparse.Namespace, output_dir: str):
@@ -129,23 +156,33 @@ def build_trainer(args: argparse.Namespace, output_dir: str):
 
     config = None if args.whole_batch else CPConfig(layout=args.layout, heads=HeadsConfig(ulysses_degree=args.ulysses_degree))
     return BlockDiagCPTrainer(args=training_arguments(args, output_dir), cp_size=args.cp, whole_batch=args.whole_batch,
-                              cp_config=config, **common)  # whole batches: the grouped layout, the model's costs
+                              cp_config=config, linear_ce=args.linear_ce, **common)  # whole batches: grouped layout
 
 
 def run(args: argparse.Namespace) -> dict:
     """Train, evaluate, predict; return the logged losses, grad norms and token counts, the eval loss,
     the final parameters and (with `--predict`) the predicted logits of the eval documents."""
+    from blockdiag_cp.hf.parallelism import full_parameters
+
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = build_trainer(args, tmp)
-        trainer.train()
+        output_dir = args.output_dir or tmp
+        trainer = build_trainer(args, output_dir)
+        trainer.train(resume_from_checkpoint=last_checkpoint(output_dir) if args.output_dir else None)
         metrics = trainer.evaluate() if args.evaluate else {}
         predicted = trainer.predict(trainer.eval_dataset).predictions if args.predict else None
     logs = [e for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
-    params = torch.cat([p.detach().float().reshape(-1) for p in trainer.model.parameters()])
+    params = torch.cat([p.detach().float().reshape(-1) for p in full_parameters(trainer)])  # whole under ZeRO-3, FSDP2
     return {"loss": [e["loss"] for e in logs], "grad_norm": [e.get("grad_norm") for e in logs],
             "tokens_seen": [e.get("num_input_tokens_seen") for e in logs], "eval_loss": metrics.get("eval_loss"),
             "params": params, "predictions": None if predicted is None else torch.as_tensor(predicted),
             "total_flos": trainer.state.total_flos}
+
+
+def last_checkpoint(output_dir: str):
+    """The newest ``checkpoint-N`` under `output_dir` (None: start afresh): a restarted job resumes there."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    return get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -175,6 +212,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--evaluate", action="store_true")
     p.add_argument("--predict", action="store_true", help="also predict the eval documents (logits kept)")
     p.add_argument("--iterable", action="store_true", help="stream the documents (an iterable dataset)")
+    p.add_argument("--zero", type=int, choices=(1, 2, 3), default=None, help="DeepSpeed ZeRO stage (pip install deepspeed)")
+    p.add_argument("--fsdp2", action="store_true", help="accelerate's FSDP2 over every rank (GPUs)")
+    p.add_argument("--linear-ce", action="store_true", help="the loss from the hidden states, never the logits")
+    p.add_argument("--output-dir", default=None, help="checkpoints go here; a run that finds one resumes from it")
+    p.add_argument("--save-steps", type=int, default=0, help="a checkpoint every N optimizer steps (0: none)")
     p.add_argument("--save", default=None, help="write the final parameters here (rank 0; predictions beside them)")
     return p.parse_args(argv)
 

@@ -248,14 +248,9 @@ def run(s: dict) -> dict:
 
 def full_parameters(trainer) -> list[torch.Tensor]:
     """The model's parameters, whole (gathered where ZeRO-3 or FSDP2 shard them)."""
-    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-    if getattr(trainer, "is_deepspeed_enabled", False):
-        import deepspeed
+    from blockdiag_cp.hf.parallelism import full_parameters as whole
 
-        params = list(model.parameters())
-        with deepspeed.zero.GatheredParameters(params):
-            return [p.detach().clone() for p in params]
-    return [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+    return whole(trainer)
 
 
 def wrapper_of(trainer) -> str:

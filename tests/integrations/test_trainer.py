@@ -287,3 +287,24 @@ def test_every_cp_rank_reads_what_its_replica_reads_without_cp(iterable, dp, cp,
                                                   even_batches=even_batches), dp, dp_rank, cp)
         without_cp = prepare_data_loader(raw(), num_processes=dp, process_index=dp_rank, even_batches=even_batches)
         assert batches_and_remainder(ours) == batches_and_remainder(without_cp), (rank, dp_rank)
+
+
+@pytest.mark.slow
+def test_the_sharded_recipe_resumes_as_it_would_have_run(tmp_path):
+    """The README's recipe flags of `examples/train_trainer.py` on CPU: ZeRO-2 (``--zero``), the linear-CE loss, a
+    checkpoint every 2 steps under ``--output-dir``. A job that died after its step-2 checkpoint (its step-4 one
+    removed), started again with the same command, resumes there and ends with the parameters of the run that
+    never stopped (FSDP2's ``--fsdp2`` is the GPU case)."""
+    import shutil
+
+    pytest.importorskip("deepspeed")
+    run_dir = tmp_path / "run"
+    recipe = ("--cp", "2", "--zero", "2", "--linear-ce", "--batch", "3", "--steps", "4", "--output-dir", str(run_dir),
+              "--save-steps", "2")
+    once = torchrun(2, "train_trainer.py", *recipe, "--save", str(tmp_path / "once.pt"))
+    assert [e["step"] for e in once if "step" in e] == [1, 2, 3, 4]
+    shutil.rmtree(run_dir / "checkpoint-4")  # the job died before its last checkpoint
+    again = torchrun(2, "train_trainer.py", *recipe, "--save", str(tmp_path / "resumed.pt"))
+    assert [e["loss"] for e in again if "step" in e][-2:] == [e["loss"] for e in once if "step" in e][2:]  # 3, 4
+    first, resumed = torch.load(tmp_path / "once.pt"), torch.load(tmp_path / "resumed.pt")
+    assert first.numel() > 1000 and torch.equal(resumed, first), float((resumed - first).abs().max())

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ("read_parallelism_config",)
+__all__ = ("full_parameters", "read_parallelism_config")
 
 
 def read_parallelism_config(training_args: Any, cp_size: int) -> int:
@@ -49,3 +49,16 @@ def read_parallelism_config(training_args: Any, cp_size: int) -> int:
     training_args.parallelism_config = dataclasses.replace(
         config, dp_shard_size=config.dp_shard_size * config.cp_size, cp_size=1, cp_handler=None)
     return config.cp_size
+
+
+def full_parameters(trainer: Any) -> list:
+    """A Trainer's model parameters, whole: gathered where DeepSpeed ZeRO-3 partitions them, the full tensors of
+    FSDP2's DTensors (a collective on every rank: call it on all of them), as they are otherwise."""
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        import deepspeed
+
+        params = list(model.parameters())
+        with deepspeed.zero.GatheredParameters(params):
+            return [p.detach().clone() for p in params]
+    return [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
