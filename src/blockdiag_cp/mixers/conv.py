@@ -111,8 +111,8 @@ class HaloReads:
 
     @staticmethod
     def of(geometry: StepGeometry, width: int) -> "HaloReads":
-        pieces, first_of_rank = geometry.every_rank_pieces
-        piece_rank = torch.repeat_interleave(torch.arange(geometry.world), torch.diff(first_of_rank))
+        pieces, _ = geometry.every_rank_pieces
+        piece_rank = geometry.piece_rank
         first = torch.maximum(pieces.doc_start, pieces.global_start - max(width - 1, 0))
         span = pieces.global_start - first
         position = concat_ranges(first, span)

@@ -135,14 +135,6 @@ class Needs:
         a, b = int(self.first[rank]), int(self.first[rank + 1])
         return self.lo_all[a:b], self.hi_all[a:b]
 
-    @property
-    def lo(self) -> tuple[torch.Tensor, ...]:
-        return tuple(self.ranges(r)[0] for r in range(self.world))
-
-    @property
-    def hi(self) -> tuple[torch.Tensor, ...]:
-        return tuple(self.ranges(r)[1] for r in range(self.world))
-
     def positions(self, rank: int) -> torch.Tensor:
         """Sorted positions rank `rank` needs (its own included)."""
         lo, hi = self.ranges(rank)
@@ -249,7 +241,7 @@ class StepGeometry:
         """Rank j needs ``[start(d), last[j, d]]`` of each document d it holds queries of: one range per
         (rank, document), from its pieces (rank-major, ascending)."""
         pieces, _ = self.every_rank_pieces
-        rank = self._piece_rank
+        rank = self.piece_rank
         last = torch.ones_like(rank, dtype=torch.bool)
         last[:-1] = (rank[1:] != rank[:-1]) | (self.piece_run[1:] != self.piece_run[:-1])
         ends = (pieces.global_start + pieces.length)[last]
@@ -260,7 +252,7 @@ class StepGeometry:
         pieces, _ = self.every_rank_pieces
         first = torch.maximum(pieces.doc_start, pieces.global_start - window + 1)
         span = self.plan.padded_len + 1  # ranks apart: ranges of two ranks never merge
-        lo, hi = _merge_ranges(self._piece_rank * span + first, self._piece_rank * span + pieces.global_start + pieces.length)
+        lo, hi = _merge_ranges(self.piece_rank * span + first, self.piece_rank * span + pieces.global_start + pieces.length)
         rank = torch.div(lo, span, rounding_mode="floor")
         return self._needs_of(window, rank, lo - rank * span, hi - rank * span)
 
@@ -269,7 +261,7 @@ class StepGeometry:
         return Needs(window, rank, lo, hi, torch.searchsorted(rank, torch.arange(self.world + 1)))
 
     @functools.cached_property
-    def _piece_rank(self) -> torch.Tensor:
+    def piece_rank(self) -> torch.Tensor:
         """``[P]`` the rank of each piece of `every_rank_pieces`."""
         _, first = self.every_rank_pieces
         return torch.repeat_interleave(torch.arange(self.world), torch.diff(first))
