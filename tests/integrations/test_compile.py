@@ -349,7 +349,7 @@ def test_the_opaque_ops_output_is_its_own_memory():
     with the kept graph, whose kernel saved its own output for backward (the dense kernel does). Written
     over after use, the gradients are unchanged."""
     from blockdiag_cp import CPConfig, make_cp_blockdiag_batch_and_ctx
-    from blockdiag_cp.step.call import AttentionCall
+    from blockdiag_cp.step.call import AttentionCall, LayerFeatures
     from blockdiag_cp.step.opaque import opaque_attention
 
     g = torch.Generator().manual_seed(0)
@@ -361,7 +361,7 @@ def test_the_opaque_ops_output_is_its_own_memory():
     for overwrite in (False, True):
         q, k, v = (t.clone().requires_grad_() for t in qkv)
         with train_ctx():
-            out = opaque_attention(AttentionCall("step"), q, k, v)
+            out = opaque_attention(AttentionCall("step", LayerFeatures()), q, k, v)
             loss = (out * weights).sum()  # saves only the weights
             if overwrite:
                 out.detach().fill_(0.0)  # as a compiler reusing the buffer would
@@ -392,7 +392,7 @@ def test_a_kept_graph_goes_with_its_backward_or_its_handle():
     """Note [One opaque op]: the op keeps its eager graph until its backward takes it (once: a second
     backward is a clear error) or until the forward's outputs die without a backward."""
     from blockdiag_cp import make_cp_blockdiag_batch_and_ctx
-    from blockdiag_cp.step.call import AttentionCall
+    from blockdiag_cp.step.call import AttentionCall, LayerFeatures
     from blockdiag_cp.step.opaque import opaque_attention
     from blockdiag_cp.step.slot import STEP_SLOT
 
@@ -402,16 +402,16 @@ def test_a_kept_graph_goes_with_its_backward_or_its_handle():
     train_ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": ids, "_packed_seq_ids": ids})
     before = len(STEP_SLOT.kept)
     with train_ctx():
-        out = opaque_attention(AttentionCall("step"), q, k, v)
+        out = opaque_attention(AttentionCall("step", LayerFeatures()), q, k, v)
         assert len(STEP_SLOT.kept) == before + 1
         out.sum().backward(retain_graph=True)
         assert len(STEP_SLOT.kept) == before  # taken by its backward
         with pytest.raises(RuntimeError, match="backward ran twice"):
             out.sum().backward()
-        unused = opaque_attention(AttentionCall("step"), q, k, v)  # a forward whose backward never runs
+        unused = opaque_attention(AttentionCall("step", LayerFeatures()), q, k, v)  # a forward whose backward never runs
         assert len(STEP_SLOT.kept) == before + 1
         del unused, out  # the handle dies with the graph that saved it (reference counting, no collection)
         assert len(STEP_SLOT.kept) == before
         with torch.no_grad():
-            opaque_attention(AttentionCall("step"), q, k, v)
+            opaque_attention(AttentionCall("step", LayerFeatures()), q, k, v)
         assert len(STEP_SLOT.kept) == before  # nothing kept without gradients

@@ -223,7 +223,20 @@ def test_a_compiled_packed_row_of_a_model_with_unrouted_mixers_is_refused():
 
 def test_an_attention_call_of_no_known_kind_is_an_invariant_error():
     from blockdiag_cp.errors import InvariantError
-    from blockdiag_cp.step.call import AttentionCall
+    from blockdiag_cp.step.call import AttentionCall, LayerFeatures
 
     with pytest.raises(InvariantError, match="unknown attention call kind 'ring'"):
-        AttentionCall("ring")
+        AttentionCall("ring", LayerFeatures())
+
+
+def test_an_attention_calls_defaults_are_constants_that_any_dynamo_can_build():
+    """Calls are built inside compiled blocks; torch 2.11's dynamo builds a frozen dataclass's defaults without a
+    source and fails on anything but a constant (the H200 run: a ``LayerFeatures()`` default broke
+    ``fullgraph=True``). Every default of `AttentionCall` is None, a bool or a number."""
+    import dataclasses
+
+    from blockdiag_cp.step.call import AttentionCall
+
+    defaults = {f.name: f.default for f in dataclasses.fields(AttentionCall) if f.default is not dataclasses.MISSING}
+    assert all(f.default_factory is dataclasses.MISSING for f in dataclasses.fields(AttentionCall))
+    assert defaults and all(v is None or isinstance(v, (bool, int, float)) for v in defaults.values()), defaults

@@ -78,10 +78,15 @@ class AttentionCall:
     `refused_if_packed` (``row`` only): the refusal to raise when the planned row holds more than
     one document (a model whose token mixers outside attention are not routed: they are right on
     one document only). Data, not a callback: the walk never climbs back into its entry.
+
+    Every field but `kind` and `features` has a constant default (None, a number, a bool): calls are built inside
+    compiled blocks, and torch 2.11's dynamo builds a frozen dataclass's defaults without a source, which it can do
+    for constants only (a ``LayerFeatures()`` default failed ``fullgraph=True`` on an H200: "SourcelessBuilder.create
+    does not know how to wrap LayerFeatures"; torch 2.13 accepts it). `features` is therefore always passed.
     """
 
     kind: str
-    features: LayerFeatures = LayerFeatures()
+    features: LayerFeatures
     scale: Optional[float] = None
     dropout_p: float = 0.0
     enable_gqa: bool = False
