@@ -154,9 +154,8 @@ def group_traffic(lo: np.ndarray, hi: np.ndarray, member: np.ndarray, g: int, wi
         need_lo, need_hi, need_member = union_per_member(np.maximum(lo - window + 1, 0), hi, member)
     overlap = np.minimum(hi[:, None], need_hi[None, :]) - np.maximum(lo[:, None], need_lo[None, :])
     rows = np.maximum(overlap, 0).astype(np.float64)  # [own pieces, needed ranges]
-    traffic = np.zeros((g, g))
-    np.add.at(traffic, (np.broadcast_to(member[:, None], rows.shape), np.broadcast_to(need_member[None, :], rows.shape)),
-              rows)
+    pair = (member[:, None] * g + need_member[None, :]).ravel()  # (owner, seeker) of each overlap
+    traffic = np.bincount(pair, weights=rows.ravel(), minlength=g * g).reshape(g, g)
     np.fill_diagonal(traffic, 0.0)
     return traffic
 

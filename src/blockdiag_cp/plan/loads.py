@@ -84,37 +84,23 @@ class Loads:
         return changed
 
     def place_items(self, items: tuple[np.ndarray, np.ndarray], seconds: np.ndarray) -> None:
-        """Largest first, each to the least loaded rank with room under the cap (else the most room)."""
+        """Largest first, each to the least busy rank with room under the cap (else the one with the fewest
+        tokens). The loop runs over Python lists (a numpy scalar read or write costs about ten times a list's);
+        the sums are the same float64 additions in the same order."""
         starts, lengths = items
         order = np.lexsort((starts, -seconds))
         rank_of = np.empty(starts.size, dtype=np.int64)
-        # (seconds, rank, version): an entry is current while its version is its rank's (a rank placed on
-        # outside the heap leaves its entry behind, dropped when popped: no O(W) rebuild)
-        version = [0] * self.seconds.size
-        heap = [(float(t), r, 0) for r, t in enumerate(self.seconds)]
-        heapq.heapify(heap)
-        tokens = self.tokens
+        busy, compute, tokens = self.seconds.tolist(), self.compute.tolist(), self.tokens.tolist()
+        item_seconds, item_tokens = seconds.tolist(), lengths.tolist()
+        queue = RoomQueue(busy, tokens, self.cap)
         for i in order.tolist():
-            n, skipped, chosen = int(lengths[i]), [], None
-            while heap and len(skipped) < 64:
-                t, r, v = heapq.heappop(heap)
-                if v != version[r]:
-                    continue
-                if tokens[r] + n <= self.cap:
-                    chosen = r
-                    break
-                skipped.append((t, r, v))
-            if chosen is None:
-                chosen = int(np.argmin(tokens)) if tokens.min() + n > self.cap else int(np.flatnonzero(
-                    tokens + n <= self.cap)[np.argmin(self.seconds[tokens + n <= self.cap])])
-            for entry in skipped:
-                heapq.heappush(heap, entry)
+            chosen = queue.take(item_tokens[i])
             rank_of[i] = chosen
-            self.seconds[chosen] += seconds[i]
-            self.compute[chosen] += seconds[i]
-            tokens[chosen] += n
-            version[chosen] += 1
-            heapq.heappush(heap, (float(self.seconds[chosen]), chosen, version[chosen]))
+            busy[chosen] += item_seconds[i]
+            compute[chosen] += item_seconds[i]
+            tokens[chosen] += item_tokens[i]
+            queue.changed(chosen)
+        self.seconds[:], self.compute[:], self.tokens[:] = busy, compute, tokens
         self.items = (starts, lengths, rank_of)
 
     def refine(self, item_seconds: Callable[[tuple[np.ndarray, np.ndarray]], np.ndarray], rounds: Optional[int] = None, partners: int = 8) -> None:
@@ -196,14 +182,13 @@ class Loads:
         starts = s[(s // rpn) == ((s + g - 1) // rpn)] if g <= rpn else s[s % rpn == 0]
         if starts.size == 0:
             starts = np.array([W - g])
-        busiest = np.full(starts.size, -np.inf)
+        seconds_SG = np.lib.stride_tricks.sliding_window_view(self.seconds, g)[starts]  # [candidates, members]
+        tokens_SG = np.lib.stride_tricks.sliding_window_view(self.tokens, g)[starts]
+        busiest = (seconds_SG + group.compute).max(axis=1)
+        over = np.maximum(tokens_SG + group.tokens - self.cap, 0).sum(axis=1)
         load = np.zeros(starts.size)
-        over = np.zeros(starts.size, dtype=np.int64)
-        for m in range(g):  # one pass per member over every candidate window (g small, W large)
-            at = starts + m
-            busiest = np.maximum(busiest, self.seconds[at] + group.compute[m])
-            load += self.seconds[at]
-            over += np.maximum(self.tokens[at] + group.tokens[m] - self.cap, 0)
+        for m in range(g):  # member by member, as a rank's seconds are summed everywhere else (ties read it)
+            load += seconds_SG[:, m]
         order = np.lexsort((starts, load, busiest, over))
         return int(starts[order[0]])
 
@@ -252,3 +237,48 @@ def water_fill(level: np.ndarray, room: np.ndarray, total: int) -> np.ndarray:
         short += back
     return amounts
 
+
+class RoomQueue:
+    """The ranks in the order whole documents go to them: the least busy one (the lowest rank among equals) that
+    has room for an item's tokens under the cap; when none has, the one with the fewest tokens (the lowest rank
+    among equals).
+
+    Note [Ranks parked for room]: ranks wait in one of two heaps. Open ranks by ``(seconds, rank)``; a rank popped
+    from there without room for the item at hand is parked by ``(tokens, rank)``, and parked ranks open again
+    once an item is small enough for them (items come largest first, so a rank is parked and opened a few times
+    at most, not scanned for every item). Entries carry the rank's version; a rank that takes an item gets a new
+    version and one new open entry, and its older entries are dropped when they surface. Each take is
+    O(log W) amortized, where scanning every rank without room was O(W).
+
+    `busy` and `tokens` are the caller's lists, read as it changes them (`changed` after each change).
+    """
+
+    def __init__(self, busy: list[float], tokens: list[int], cap: int) -> None:
+        self.busy, self.tokens, self.cap = busy, tokens, cap
+        self.version = [0] * len(busy)
+        self.open = [(t, r, 0) for r, t in enumerate(busy)]
+        self.parked: list[tuple[int, int, int]] = []
+        heapq.heapify(self.open)
+
+    def take(self, n: int) -> int:
+        """The rank an item of `n` tokens goes to."""
+        open_, parked, version, tokens, room = self.open, self.parked, self.version, self.tokens, self.cap - n
+        while parked and (parked[0][0] <= room or parked[0][2] != version[parked[0][1]]):
+            _, r, v = heapq.heappop(parked)
+            if v == version[r]:
+                heapq.heappush(open_, (self.busy[r], r, v))
+        while open_:
+            _, r, v = open_[0]
+            if v == version[r] and tokens[r] <= room:
+                return r
+            heapq.heappop(open_)
+            if v == version[r]:
+                heapq.heappush(parked, (tokens[r], r, v))
+        while parked[0][2] != version[parked[0][1]]:
+            heapq.heappop(parked)
+        return parked[0][1]
+
+    def changed(self, rank: int) -> None:
+        """`rank`'s seconds and tokens changed: a new version, open again."""
+        self.version[rank] += 1
+        heapq.heappush(self.open, (self.busy[rank], rank, self.version[rank]))
