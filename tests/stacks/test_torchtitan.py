@@ -1,0 +1,224 @@
+"""torchtitan's trainer with document-packed rows under blockdiag-cp (issue #48, docs/torchtitan.md).
+
+The slow tests share two launches of torchtitan's own training on CPU gloo ranks (tests/stacks/torchtitan_run.py):
+a tiny llama3 (torchtitan's debugmodel flavor cut to 2 layers) from a config_registry module this test writes
+(torchtitan 0.3.0's config format: a Python function plus ``--section.key`` CLI overrides), its own text
+dataloader packing a tiny local dataset with a tiny local tokenizer (nothing downloaded):
+
+* no CP, one rank (``blockdiag_cp.cp_degree`` 1): the reference;
+* cp 2 on two ranks: per-step losses, grad norms, final parameters and the first row's per-token losses
+  equal the reference (float32 training, so 1e-5);
+* the leak probe, in the cp 2 launch: the first row again with its first document perturbed (same length):
+  every other document's per-token losses are unchanged (1e-6), the perturbed document's moved.
+
+torchtitan 0.3.0's Trainer does not run on a CPU-only machine by itself (it picks "cuda" and dies at
+``torch.cuda.set_device``); the runs go through `blockdiag_cp.integrations.torchtitan_cpu`, which points
+torchtitan's device choice at the CPU. FSDP (torchtitan's ``fully_shard`` over the data ranks) runs on gloo.
+"""
+
+import json
+import os
+import pathlib
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan")
+pytest.importorskip("triton")  # torchtitan 0.3.0 imports it unconditionally (its MoE kernels)
+
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset  # noqa: E402
+from torchtitan.models.common.attention import get_document_mask_mod  # noqa: E402,F401
+from torchtitan.models.llama3.config_registry import llama3_debugmodel  # noqa: E402
+
+from blockdiag_cp.integrations.torchtitan import (  # noqa: E402
+    BlockDiagCPAttention,
+    blockdiag_config,
+    check_options,
+    doc_ids_from_positions,
+    route_attention,
+)
+
+HERE = pathlib.Path(__file__).resolve().parent
+WORDS = [f"w{i}" for i in range(200)]
+SEQ_LEN = 192
+STEPS = 3
+
+CONFIG_MODULE = '''\
+"""A torchtitan config_registry module (torchtitan 0.3.0's config format), written by the test."""
+from torchtitan.models.llama3.config_registry import llama3_debugmodel
+from blockdiag_cp.integrations.torchtitan import blockdiag_config
+
+
+def tiny_llama3():
+    config = blockdiag_config(llama3_debugmodel(), cp_degree=1)
+    config.model_spec.model.layers = config.model_spec.model.layers[:2]   # the debug flavor, 2 layers
+    config.hf_assets_path = {tok!r}
+    config.dataloader.dataset_path = {data!r}
+    config.training.seq_len = {seq_len}
+    config.training.local_batch_size = 1
+    config.training.steps = {steps}
+    config.training.mixed_precision_param = "float32"
+    config.parallelism.spmd_backend = "partial_dtensor"
+    config.checkpoint.enable = False
+    config.validator.enable = False
+    config.debug.seed = 0
+    config.dump_folder = {dump!r}
+    return config
+'''
+
+
+def write_tokenizer(folder: pathlib.Path) -> None:
+    """A word-level tokenizer (tokenizer.json + tokenizer_config.json) torchtitan's HuggingFaceTokenizer loads."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder.mkdir(parents=True)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+
+
+def documents(perturb_first: bool = False) -> list[str]:
+    """48 documents of 5..70 words; `perturb_first` changes every word of the first one (same length)."""
+    rng = random.Random(0)
+    docs = [[rng.choice(WORDS) for _ in range(rng.randint(5, 70))] for _ in range(48)]
+    if perturb_first:
+        docs[0] = [WORDS[(WORDS.index(w) + 7) % len(WORDS)] for w in docs[0]]
+    return [" ".join(d) for d in docs]
+
+
+def write_dataset(folder: pathlib.Path, docs: list[str]) -> None:
+    folder.mkdir(parents=True)
+    (folder / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("torchtitan")
+    write_tokenizer(root / "tok")
+    write_dataset(root / "data", documents())
+    write_dataset(root / "data_perturbed", documents(perturb_first=True))
+    return root
+
+
+def launch(root: pathlib.Path, name: str, world: int, *overrides: str) -> dict:
+    """One torchtitan run under torchrun; returns what torchtitan_run.py recorded."""
+    cfg_dir = root / f"cfg_{name}"
+    cfg_dir.mkdir()
+    (cfg_dir / "tt_tiny_config.py").write_text(CONFIG_MODULE.format(
+        tok=str(root / "tok"), data=str(root / "data"), seq_len=SEQ_LEN, steps=STEPS, dump=str(root / f"out_{name}")))
+    out = root / f"{name}.pt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(cfg_dir), *sys.path]), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(root / "hf_cache")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           str(HERE / "torchtitan_run.py"), str(out), str(root / "data_perturbed"),
+           "--module", "tt_tiny_config", "--config", "tiny_llama3", *overrides]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-8000:]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def runs(assets):
+    """The two launches every slow comparison shares."""
+    return {"ref": launch(assets, "ref", 1), "cp2": launch(assets, "cp2", 2, "--blockdiag_cp.cp_degree", "2")}
+
+
+@pytest.mark.slow
+def test_cp2_trains_as_the_run_without_cp(runs):
+    ref, cp2 = runs["ref"], runs["cp2"]
+    assert cp2["cp_degree"] == 2 and cp2["world"] == 2 and ref["world"] == 1
+    assert len(ref["losses"]) == len(cp2["losses"]) == STEPS
+    torch.testing.assert_close(torch.tensor(cp2["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(cp2["grad_norms"]), torch.tensor(ref["grad_norms"]), rtol=1e-4, atol=0)
+    assert ref["params"].keys() == cp2["params"].keys()
+    # float32 Adam: an element whose gradient is ~0 moves by up to lr x (a float32 rounding's sign), so a few
+    # elements in 10^5 differ by ~1e-5 after 3 steps; any real difference moves every element by ~lr
+    for name, p_ref in ref["params"].items():
+        delta = cp2["params"][name] - p_ref
+        assert delta.abs().max() < 5e-5 and delta.norm() < 1e-5 * p_ref.norm(), (name, delta.abs().max())
+    probe_ref, probe_cp2 = ref["probe"], cp2["probe"]
+    assert torch.equal(probe_ref["inputs"], probe_cp2["inputs"])  # the CP group read the reference's row
+    valid = probe_ref["labels"] != -100
+    torch.testing.assert_close(probe_cp2["nll"][valid], probe_ref["nll"][valid], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_perturbing_one_document_moves_no_other_documents_loss(runs):
+    base, perturbed = runs["cp2"]["probe"], runs["cp2"]["probe_other"]
+    assert torch.equal(base["doc_ids"], perturbed["doc_ids"])
+    doc_ids = base["doc_ids"]
+    assert int(doc_ids.max()) >= 3, "the probe row should hold several documents"
+    first = doc_ids == 1
+    assert not torch.equal(base["inputs"][first], perturbed["inputs"][first])
+    assert torch.equal(base["inputs"][~first], perturbed["inputs"][~first])
+    others = ~first & (base["labels"] != -100)
+    torch.testing.assert_close(perturbed["nll"][others], base["nll"][others], rtol=0, atol=1e-6)
+    assert (perturbed["nll"][first] - base["nll"][first]).abs().max() > 1e-3
+
+
+def test_doc_ids_follow_torchtitans_own_document_boundaries(tmp_path):
+    """torchtitan's text dataset packs documents into rows; the ids start a document exactly where its tokens do."""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    write_tokenizer(tmp_path / "tok")
+    docs = documents()
+    write_dataset(tmp_path / "data", docs)
+    tokenizer = HuggingFaceTokenizer(HuggingFaceTokenizer.Config(), tokenizer_path=str(tmp_path / "tok"))
+    dataset = HuggingFaceTextDataset("c4_test", str(tmp_path / "data"), tokenizer, seq_len=SEQ_LEN)
+    row, labels = next(iter(dataset))
+    lengths = [len(t.split()) + 1 for t in docs]  # <s> + words as inputs; </s> is the last word's label
+    expected = torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths))[:SEQ_LEN]
+    assert torch.equal(doc_ids_from_positions(row["positions"][None])[0], expected)
+    eos_labels = (labels == tokenizer.eos_id).nonzero().flatten()
+    assert torch.equal(expected[eos_labels + 1], expected[eos_labels] + 1)  # a document ends at its </s> target
+
+
+def test_leading_tokens_of_a_carried_over_document_are_a_document():
+    positions = torch.tensor([[7, 8, 9, 0, 1, 0, 1, 2]])
+    assert doc_ids_from_positions(positions).tolist() == [[1, 1, 1, 2, 2, 3, 3, 3]]
+
+
+def test_route_attention_routes_every_layer_and_leaves_the_input_config():
+    model = llama3_debugmodel().model_spec.model
+    routed = route_attention(model)
+    assert all(isinstance(layer.attention.inner_attention, BlockDiagCPAttention.Config) for layer in routed.layers)
+    assert not any(isinstance(layer.attention.inner_attention, BlockDiagCPAttention.Config) for layer in model.layers)
+
+
+def test_a_model_with_its_own_masks_is_refused():
+    from torchtitan.models.gpt_oss.config_registry import gpt_oss_debugmodel
+
+    with pytest.raises(ValueError, match="builds its own attention masks"):
+        route_attention(gpt_oss_debugmodel().model_spec.model)
+
+
+def test_the_routed_attention_refuses_to_run_outside_a_step():
+    q = torch.randn(1, 8, 2, 4)
+    with pytest.raises(RuntimeError, match="outside a blockdiag-cp step"):
+        BlockDiagCPAttention(BlockDiagCPAttention.Config())(q, q, q)
+
+
+@pytest.mark.parametrize("path, value", [
+    ("parallelism.context_parallel_degree", 2),
+    ("parallelism.tensor_parallel_degree", 2),
+    ("parallelism.pipeline_parallel_degree", 2),
+    ("parallelism.spmd_backend", "spmd_types"),
+    ("training.local_batch_size", 2),
+    ("validator.enable", True),
+    ("compile.enable", True),
+])
+def test_options_that_would_differ_are_refused_by_name(path, value):
+    config = blockdiag_config(llama3_debugmodel(), cp_degree=2)
+    config.parallelism.spmd_backend = "partial_dtensor"
+    config.training.local_batch_size = 1
+    config.checkpoint.enable = False
+    check_options(config)  # the recipe's options pass
+    section, name = path.split(".")
+    setattr(getattr(config, section), name, value)
+    with pytest.raises(ValueError, match=path.replace(".", r"\.")):
+        check_options(config)
