@@ -251,7 +251,7 @@ class BlockDiagCPTrainer(Trainer):
         if config.model_spec is None:
             raise ValueError("BlockDiagCPTrainer needs config.model_spec (set by the config_registry function)")
         cp_degree = config.blockdiag_cp.cp_degree
-        config.model_spec = dataclasses.replace(config.model_spec, model=route_attention(config.model_spec.model))
+        pass
         config.dataloader = CPGroupRows.Config(rows=config.dataloader, cp_degree=cp_degree)
         _keep_timeouts_where_torch_cannot_set_them()
         self.cp_config = config.blockdiag_cp.cp_config()
