@@ -35,6 +35,7 @@ from torchtitan.models.llama3.config_registry import llama3_debugmodel  # noqa: 
 
 from blockdiag_cp.integrations.torchtitan import (  # noqa: E402
     BlockDiagCPAttention,
+    CPGroupRows,
     blockdiag_config,
     check_options,
     doc_ids_from_positions,
@@ -176,6 +177,29 @@ def test_doc_ids_follow_torchtitans_own_document_boundaries(tmp_path):
     assert torch.equal(doc_ids_from_positions(row["positions"][None])[0], expected)
     eos_labels = (labels == tokenizer.eos_id).nonzero().flatten()
     assert torch.equal(expected[eos_labels + 1], expected[eos_labels] + 1)  # a document ends at its </s> target
+
+
+def test_a_cp_group_reads_one_replicas_rows(tmp_path):
+    """4 data ranks at cp 2: ranks 0, 1 read replica 0's rows and ranks 2, 3 replica 1's, as 2 replicas would."""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+
+    write_tokenizer(tmp_path / "tok")
+    write_dataset(tmp_path / "data", documents())
+    tokenizer = HuggingFaceTokenizer(HuggingFaceTokenizer.Config(), tokenizer_path=str(tmp_path / "tok"))
+    rows = HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=str(tmp_path / "data"))
+    kwargs = {"tokenizer": tokenizer, "seq_len": SEQ_LEN, "local_batch_size": 1}
+
+    def first_row(config, world, rank):
+        return next(iter(config.build(dp_world_size=world, dp_rank=rank, **kwargs)))[0]["input"]
+
+    grouped = [first_row(CPGroupRows.Config(rows=rows, cp_degree=2), 4, rank) for rank in range(4)]
+    replicas = [first_row(rows, 2, replica) for replica in range(2)]
+    for rank in range(4):
+        assert torch.equal(grouped[rank], replicas[rank // 2])
+    assert not torch.equal(replicas[0], replicas[1])
+    with pytest.raises(ValueError, match="cp_degree=3 must divide the 4 data ranks"):
+        CPGroupRows.Config(rows=rows, cp_degree=3).build(dp_world_size=4, dp_rank=0, **kwargs)
 
 
 def test_leading_tokens_of_a_carried_over_document_are_a_document():

@@ -67,7 +67,7 @@ from ..step.slot import current_step
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
+__all__ = (
     "BlockDiagCPAttention",
     "BlockDiagCPConverter",
     "BlockDiagCPOptions",
@@ -77,7 +77,7 @@ __all__ = [
     "check_options",
     "doc_ids_from_positions",
     "route_attention",
-]
+)
 
 
 class BlockDiagCPAttention(Module):
@@ -251,7 +251,7 @@ class BlockDiagCPTrainer(Trainer):
         if config.model_spec is None:
             raise ValueError("BlockDiagCPTrainer needs config.model_spec (set by the config_registry function)")
         cp_degree = config.blockdiag_cp.cp_degree
-        pass
+        config.model_spec = dataclasses.replace(config.model_spec, model=route_attention(config.model_spec.model))
         config.dataloader = CPGroupRows.Config(rows=config.dataloader, cp_degree=cp_degree)
         _keep_timeouts_where_torch_cannot_set_them()
         self.cp_config = config.blockdiag_cp.cp_config()

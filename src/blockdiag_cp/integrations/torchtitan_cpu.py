@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import torch
 
-__all__ = ["CpuDevice", "main", "use_cpu_device"]
+__all__ = ("CpuDevice", "main", "use_cpu_device")
 
 
 class CpuDevice:
