@@ -16,10 +16,8 @@ torchtitan 0.3.0's Trainer does not run on a CPU-only machine by itself (it pick
 torchtitan's device choice at the CPU. FSDP (torchtitan's ``fully_shard`` over the data ranks) runs on gloo.
 """
 
-import json
 import os
 import pathlib
-import random
 import subprocess
 import sys
 
@@ -30,8 +28,9 @@ pytest.importorskip("torchtitan")
 pytest.importorskip("triton")  # torchtitan 0.3.0 imports it unconditionally (its MoE kernels)
 
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset  # noqa: E402
-from torchtitan.models.common.attention import get_document_mask_mod  # noqa: E402,F401
 from torchtitan.models.llama3.config_registry import llama3_debugmodel  # noqa: E402
+
+from torchtitan_assets import CONFIG_MODULE, documents, write_assets, write_dataset, write_tokenizer  # noqa: E402
 
 from blockdiag_cp.integrations.torchtitan import (  # noqa: E402
     BlockDiagCPAttention,
@@ -43,66 +42,14 @@ from blockdiag_cp.integrations.torchtitan import (  # noqa: E402
 )
 
 HERE = pathlib.Path(__file__).resolve().parent
-WORDS = [f"w{i}" for i in range(200)]
 SEQ_LEN = 192
 STEPS = 3
-
-CONFIG_MODULE = '''\
-"""A torchtitan config_registry module (torchtitan 0.3.0's config format), written by the test."""
-from torchtitan.models.llama3.config_registry import llama3_debugmodel
-from blockdiag_cp.integrations.torchtitan import blockdiag_config
-
-
-def tiny_llama3():
-    config = blockdiag_config(llama3_debugmodel(), cp_degree=1)
-    config.model_spec.model.layers = config.model_spec.model.layers[:2]   # the debug flavor, 2 layers
-    config.hf_assets_path = {tok!r}
-    config.dataloader.dataset_path = {data!r}
-    config.training.seq_len = {seq_len}
-    config.training.local_batch_size = 1
-    config.training.steps = {steps}
-    config.training.mixed_precision_param = "float32"
-    config.parallelism.spmd_backend = "partial_dtensor"
-    config.checkpoint.enable = False
-    config.validator.enable = False
-    config.debug.seed = 0
-    config.dump_folder = {dump!r}
-    return config
-'''
-
-
-def write_tokenizer(folder: pathlib.Path) -> None:
-    """A word-level tokenizer (tokenizer.json + tokenizer_config.json) torchtitan's HuggingFaceTokenizer loads."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    folder.mkdir(parents=True)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-
-
-def documents(perturb_first: bool = False) -> list[str]:
-    """48 documents of 5..70 words; `perturb_first` changes every word of the first one (same length)."""
-    rng = random.Random(0)
-    docs = [[rng.choice(WORDS) for _ in range(rng.randint(5, 70))] for _ in range(48)]
-    if perturb_first:
-        docs[0] = [WORDS[(WORDS.index(w) + 7) % len(WORDS)] for w in docs[0]]
-    return [" ".join(d) for d in docs]
-
-
-def write_dataset(folder: pathlib.Path, docs: list[str]) -> None:
-    folder.mkdir(parents=True)
-    (folder / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("torchtitan")
-    write_tokenizer(root / "tok")
-    write_dataset(root / "data", documents())
-    write_dataset(root / "data_perturbed", documents(perturb_first=True))
+    write_assets(root)
     return root
 
 

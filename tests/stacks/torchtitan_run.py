@@ -41,8 +41,9 @@ def same_initial_weights(model: torch.nn.Module) -> None:
                 full = torch.ones(p.shape)
             else:
                 full = torch.randn(p.shape, generator=g) * 0.02
+            full = full.to(device=p.device, dtype=p.dtype)
             if isinstance(p, DTensor):
-                full = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements)
+                full = distribute_tensor(full, p.device_mesh, p.placements)
             p.copy_(full)
 
 
@@ -58,7 +59,8 @@ def probe_row_nll(trainer, data_path: str) -> dict:
     from blockdiag_cp.integrations.torchtitan import doc_ids_from_positions
 
     doc_ids = doc_ids_from_positions(input_dict["positions"])[0]
-    inputs, local_labels, kwargs = trainer.post_dataloading_process(dict(input_dict), labels)
+    on_device = {k: v.to(trainer.device) for k, v in input_dict.items()}  # as torchtitan's train_step moves them
+    inputs, local_labels, kwargs = trainer.post_dataloading_process(on_device, labels.to(trainer.device))
     step, trainer.cp_step = trainer.cp_step, None
     model = trainer.model_parts[0]
     with torch.no_grad(), step():
@@ -66,7 +68,7 @@ def probe_row_nll(trainer, data_path: str) -> dict:
         logits = model.lm_head(out) if model._skip_lm_head else out
         nll_L = F.cross_entropy(logits[0].float(), local_labels[0], ignore_index=-100, reduction="none")
         nll_S = gather_sequence(nll_L[None], seq_dim=1)[0]
-    return {"nll": nll_S, "doc_ids": doc_ids, "labels": labels[0], "inputs": input_dict["input"][0]}
+    return {"nll": nll_S.cpu(), "doc_ids": doc_ids, "labels": labels[0], "inputs": input_dict["input"][0]}
 
 
 def main() -> None:
@@ -74,9 +76,10 @@ def main() -> None:
     config = ConfigManager().parse_args(argv)
     trainer = config.build()
     same_initial_weights(trainer.model_parts[0])
-    record = {"losses": [], "grad_norms": [],
-              "probe": probe_row_nll(trainer, config.dataloader.dataset_path),
-              "probe_other": probe_row_nll(trainer, probe_data)}
+    record = {"losses": [], "grad_norms": []}
+    if hasattr(trainer, "cp_step"):  # a BlockDiagCPTrainer (torchtitan's own Trainer has no step to probe in)
+        record["probe"] = probe_row_nll(trainer, config.dataloader.dataset_path)
+        record["probe_other"] = probe_row_nll(trainer, probe_data)
     log = trainer.metrics_processor.log
 
     def recording_log(step, global_avg_loss, global_max_loss, grad_norm, **kwargs):
@@ -86,11 +89,11 @@ def main() -> None:
 
     trainer.metrics_processor.log = recording_log
     trainer.train()
-    params = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+    params = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
               for name, p in trainer.model_parts[0].named_parameters()}
     record["params"] = params
     record["world"] = dist.get_world_size()
-    record["cp_degree"] = trainer.cp_degree
+    record["cp_degree"] = getattr(trainer, "cp_degree", None)
     if dist.get_rank() == 0:
         torch.save(record, out_path)
     trainer.close()
