@@ -94,8 +94,8 @@ def main() -> None:
         pythonpath = [str(site), str(ROOT / "src"), *sys.path]
         sys.path[:0] = [str(site)]
         write_assets(root)
-        titan, titan_wall = launch(root, "titan", "tiny_llama3_titan", pythonpath)
         ours, ours_wall = launch(root, "ours", "tiny_llama3", pythonpath)
+        titan, titan_wall = launch(root, "titan", "tiny_llama3_titan", pythonpath)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": STEPS, "seq_len": SEQ_LEN,
               "wall_s": {"titan": round(titan_wall, 1), "ours": round(ours_wall, 1)}, **compare(ours, titan)}
     print(json.dumps(result, indent=1))
