@@ -168,10 +168,24 @@ def test_a_model_with_its_own_masks_is_refused():
         route_attention(gpt_oss_debugmodel().model_spec.model)
 
 
-def test_the_routed_attention_refuses_to_run_outside_a_step():
+def test_the_routed_attention_refuses_to_run_outside_a_step_or_drop_an_argument():
+    from blockdiag_cp import make_cp_blockdiag_batch_and_ctx
+
+    attention = BlockDiagCPAttention(BlockDiagCPAttention.Config())
     q = torch.randn(1, 8, 2, 4)
     with pytest.raises(RuntimeError, match="outside a blockdiag-cp step"):
-        BlockDiagCPAttention(BlockDiagCPAttention.Config())(q, q, q)
+        attention(q, q, q)
+    train_ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": torch.zeros(1, 8, dtype=torch.long),
+                                                                "_packed_seq_ids": torch.tensor([[1] * 5 + [2] * 3])})
+    k, v = torch.randn(1, 8, 2, 4), torch.randn(1, 8, 2, 4)
+    with train_ctx():
+        out = attention(q, k, v)  # torchtitan's (B, L, N, H)
+        with pytest.raises(ValueError, match="score_mod"):
+            attention(q, k, v, score_mod=lambda score, *idx: score)
+    for doc in (slice(0, 5), slice(5, 8)):  # each document alone, causal
+        alone = torch.nn.functional.scaled_dot_product_attention(
+            *(t[:, doc].transpose(1, 2) for t in (q, k, v)), is_causal=True).transpose(1, 2)
+        torch.testing.assert_close(out[:, doc], alone)
 
 
 @pytest.mark.parametrize("path, value", [

@@ -102,6 +102,10 @@ class BlockDiagCPAttention(Module):
                 "BlockDiagCPAttention ran outside a blockdiag-cp step: plain attention there would let a packed "
                 "row's documents attend to each other. Run the model through BlockDiagCPTrainer (its train step "
                 "opens the step), or open one with make_cp_blockdiag_batch_and_ctx(...)'s train_ctx().")
+        dropped = sorted(k for k, v in kwargs.items() if v is not None)
+        if dropped:
+            raise ValueError(f"BlockDiagCPAttention got {dropped}, which it would drop (e.g. a FlexAttention score_mod); "
+                             "only per-document causal attention with a scale is routed through blockdiag-cp")
         q_BNLH, k_BNLH, v_BNLH = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
         out_BNLH = cp_blockdiag_sdpa(q_BNLH, k_BNLH, v_BNLH, is_causal=True, scale=scale, enable_gqa=enable_gqa)
         return out_BNLH.transpose(1, 2)
@@ -120,8 +124,8 @@ def route_attention(model_config: Decoder.Config) -> Decoder.Config:
     if owner.get_attention_masks is not Decoder.get_attention_masks:
         raise ValueError(
             f"{owner.__name__} builds its own attention masks (get_attention_masks is overridden: sliding windows, "
-            "chunked or bidirectional spans); blockdiag-cp would drop them. Only causal per-document decoders "
-            "(torchtitan's llama3 and qwen3 dense models) are routed.")
+            "chunked or bidirectional spans); blockdiag-cp would drop them. Only decoders masked by torchtitan's "
+            "default per-document causal rule are routed (verified: llama3).")
     routed = copy.deepcopy(model_config)
     found = [cfg for _, cfg, _, _ in routed.traverse(BaseAttention.Config)]
     if not found:
