@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole device check in one call (about 6 minutes on one H200): the CUDA tests,
+# The whole device check in one call (about 6 minutes on one H200, plus torchtitan where .whl/ holds it): the CUDA tests,
 # benchmarks/gpu_check.py, then FSDP2 through the Trainer (benchmarks/gpu_fsdp2_trainer.py). Run from the
 # repository root; logs go to $OUT (or ./gpu_out).
 # The project runs from src/ on PYTHONPATH: nothing is installed.
@@ -24,3 +24,8 @@ timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -rs -p no:cacheprovider -o a
 timeout "${CHECK_TIMEOUT:-300}" python3 benchmarks/gpu_check.py 2>&1 | tee "$out/gpu_check.md"
 timeout "${FSDP2_TIMEOUT:-180}" torchrun --standalone --nproc-per-node 1 benchmarks/gpu_fsdp2_trainer.py 2>&1 \
     | tee "$out/fsdp2_trainer.log"
+# torchtitan 0.3.0 (issue #48): its own run vs BlockDiagCPTrainer at cp 1; wheels carried in .whl/ (docs/torchtitan.md)
+if [ -d .whl ] && ls .whl/torchtitan-*.whl >/dev/null 2>&1; then
+    timeout "${TORCHTITAN_TIMEOUT:-300}" python3 benchmarks/gpu_torchtitan.py --wheels .whl \
+        --out "$out/gpu_torchtitan.json" 2>&1 | tee "$out/gpu_torchtitan.log"
+fi
