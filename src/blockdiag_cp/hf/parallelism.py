@@ -42,8 +42,9 @@ knows how to serve, with its own API:
   loss's backward (where the weight's gradient is accumulated whole and reduced into its
   partition by DeepSpeed's own hook). They stay registered (DeepSpeed's trace of what each
   module fetches, which it prefetches by, must not change from step to step), so the head's
-  weight (``V x H``) is whole from the start of each forward of the model to the end of the
-  step's backward, evaluation's forward included.
+  weight (``V x H``) is whole from the start of each forward of the model to the end of its
+  backward (measured: on the plain path DeepSpeed's prefetch holds it through the forward
+  too, but not through the backward), evaluation's forward included.
 
 A tied head (the input embeddings' weight) is the same parameter: its gradients from the loss
 and from the embeddings are accumulated once, whole, and reduced once, as on the plain path.
