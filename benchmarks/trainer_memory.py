@@ -10,7 +10,8 @@ vocabulary: the logits weigh most), float32, one torch thread per rank, through 
 (transformers' Trainer with the mixin) on fresh gloo processes for each case:
 
 - *ddp*: the Trainer's own data parallelism (no wrapper at world 1);
-- *zero3*: DeepSpeed ZeRO-3 (``deepspeed=`` a config dict; ``linear_ce=True`` is refused there by name);
+- *zero3*: DeepSpeed ZeRO-3 (``deepspeed=`` a config dict; under ``linear_ce=True`` the head's weight is whole
+  from the start of the forward to the end of the backward: Note [A loss outside the modules under ZeRO-3]);
 - *fsdp2*: accelerate's FSDP2 (``fsdp="full_shard"``, ``fsdp_config={"fsdp_version": 2}``), prepared on CPU by
   the stand-in of tests/trainer_runs.py (`CPUStandInForAccelerateFSDP2`: accelerate drops the FSDP plugin on CPU;
   the stand-in puts it back where its GPU path keeps it, and accelerate's own FSDP2 preparation runs).

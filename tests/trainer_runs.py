@@ -28,7 +28,7 @@ def spec(**changes) -> dict:
     go, the same path on every rank (None: a temporary directory); ``resume``: ``train(resume_from_checkpoint=...)``)."""
     out = {**BASE, "trainer": "trainer", "cp": 0, "model": "llama", "args": {}, "loss_func": None,
            "accepts_loss_kwargs": True, "sft": {}, "whole_batch": False, "layout": None, "output_dir": None,
-           "resume": None}
+           "resume": None, "dtype": None}
     out.update(changes)
     return out
 
@@ -54,8 +54,9 @@ def model(name: str):
                   max_position_embeddings=512)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if name == "llama":
-            m = transformers.LlamaForCausalLM(transformers.LlamaConfig(intermediate_size=64, **common))
+        if name in ("llama", "llama_tied"):  # llama_tied: the LM head is the input embeddings' weight
+            m = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+                intermediate_size=64, tie_word_embeddings=name == "llama_tied", **common))
         elif name == "mixtral":
             config = transformers.MixtralConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
                                                 output_router_logits=True, router_aux_loss_coef=0.5, **common)
@@ -141,6 +142,8 @@ def build(s: dict, output_dir: str):
     import transformers
 
     m = model(s["model"])
+    if s["dtype"] is not None:  # DeepSpeed ZeRO-3 partitions float32, bfloat16 and float16 parameters only
+        m = m.to(getattr(torch, s["dtype"]))
     if not s["accepts_loss_kwargs"]:
         m.accepts_loss_kwargs = False
     train, evaluation = documents(s["docs"], 0, s["prompt"]), documents(s["eval_docs"], 1, s["prompt"])

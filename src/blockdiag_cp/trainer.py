@@ -111,7 +111,8 @@ class BlockDiagCPMixin:
             ``linear_cross_entropy`` (`hf.linear_ce.linear_ce_loss`): a shard's ``[L, V]`` logits are never held;
             the same loss, label smoothing and token count as the model's own (docs/memory.md). The Trainer's
             loss only (SFT's, DPO's and GRPO's already never hold the logits); evaluation keeps the plain path;
-            a model whose head the loss cannot read (softcapping, a non-linear head) is refused by name.
+            a model whose head the loss cannot read (softcapping, a non-linear head) is refused by name. Under
+            DeepSpeed ZeRO-2 and ZeRO-3 and FSDP2 as well (Note [A loss outside the modules under ZeRO-3]).
         *args, **kwargs: passed to the Trainer unchanged.
 
     Every CP rank of a dp replica gets the batches that replica gets without CP, in the

@@ -43,6 +43,7 @@ import torch
 from ..errors import ModelRefusal
 from ..step.linear_ce import linear_ce_sum, linear_token_log_probs
 from ..step.rows import IGNORE_INDEX, shifted_labels
+from .parallelism import forward_with_loss_out
 
 __all__ = ("LinearHead", "causal_lm_ce_sum", "causal_lm_log_probs", "linear_ce_loss", "linear_head")
 
@@ -324,16 +325,17 @@ def _hooked_forward(model: torch.nn.Module, head: LinearHead, kwargs: dict[str, 
         return (hidden[..., :0, :],), {}
 
     handle = head.module.register_forward_pre_hook(give_head_nothing, with_kwargs=True)
-    try:
-        outputs = model(**kwargs)
+    try:  # under ZeRO-3 the value leaves the model as an output, the head's parameters gathered for its backward
+        outputs, value = forward_with_loss_out(model, kwargs, list(head.module.parameters(recurse=False)),
+                                               lambda: kept[0] if kept else None)
     finally:
         handle.remove()
-    if not kept:
+    if value is None:
         raise _refusal(head.name, "its forward never called its output embeddings")
     logits = outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", None)
     if isinstance(logits, torch.Tensor) and logits.numel():
         raise ValueError(f"{head.name} built logits {tuple(logits.shape)} beside its head; the linear-CE loss refuses it")
-    return kept[0], outputs
+    return value, outputs
 
 
 def _refusal(name: str, reason: str) -> ModelRefusal:

@@ -20,14 +20,44 @@ from it:
 
 Tensor parallelism and sequence parallelism (``tp_size``, ``sp_size`` > 1) are not verified with the
 mixin and are refused by name.
+
+Note [A loss outside the modules under ZeRO-3]
+----------------------------------------------
+DeepSpeed ZeRO-3 gathers a module's parameters in hooks: before its forward, and in its backward
+when the gradient reaches its outputs; it releases them after (and reduces each gradient into
+its partition in a hook that runs when the gradient is accumulated, so the weight must still
+be whole then). The linear-CE loss (hf/linear_ce.py) reads the LM head's weight in the head's
+forward pre-hook, where it is gathered, but the loss is no output of the head: in its backward
+the weight had been released (size 0). `forward_with_loss_out` makes the loss what DeepSpeed
+knows how to serve, with its own API:
+
+- the loss leaves the model as an output of the module DeepSpeed hooked at the top (the
+  engine's ``.module``): a forward hook put before DeepSpeed's own returns ``(outputs,
+  loss)``, so DeepSpeed's hook that fetches the module's parameters for its backward sits on
+  the loss too, and the backward of the loss runs inside that module's backward;
+- the head's parameters are registered as external parameters of that module
+  (``deepspeed.zero.register_external_parameter``: parameters its forward uses outside the
+  modules that own them), so DeepSpeed fetches them with that module's: for its forward, and
+  for its backward from where the backward reaches the loss to where it ends, through the
+  loss's backward (where the weight's gradient is accumulated whole and reduced into its
+  partition by DeepSpeed's own hook). They stay registered (DeepSpeed's trace of what each
+  module fetches, which it prefetches by, must not change from step to step), so the head's
+  weight (``V x H``) is whole from the start of each forward of the model to the end of its
+  backward (measured: on the plain path DeepSpeed's prefetch holds it through the forward
+  too, but not through the backward), evaluation's forward included.
+
+A tied head (the input embeddings' weight) is the same parameter: its gradients from the loss
+and from the embeddings are accumulated once, whole, and reduced once, as on the plain path.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable, Optional, Sequence
 
-__all__ = ("full_parameters", "read_parallelism_config")
+import torch
+
+__all__ = ("forward_with_loss_out", "full_parameters", "read_parallelism_config")
 
 
 def read_parallelism_config(training_args: Any, cp_size: int) -> int:
@@ -62,3 +92,53 @@ def full_parameters(trainer: Any) -> list:
         with deepspeed.zero.GatheredParameters(params):
             return [p.detach().clone() for p in params]
     return [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+
+
+class _LossOut(tuple):
+    """``(outputs, loss)``: what the top module returns while `forward_with_loss_out` carries a loss out of it."""
+
+
+def forward_with_loss_out(model: torch.nn.Module, kwargs: dict[str, Any], params: Sequence[torch.nn.Parameter],
+                          loss_of: Callable[[], Optional[torch.Tensor]]) -> tuple[Any, Optional[torch.Tensor]]:
+    """``(model(**kwargs), loss_of())`` where the forward computes the loss (any tensor) from `params` outside any
+    module's outputs (a forward hook); ``loss_of()`` is read at the end of the forward (None: not computed).
+
+    Where `params` are partitioned by DeepSpeed ZeRO-3, the loss is carried out as an output of the module
+    DeepSpeed hooked at the top of `model` and `params` are its external parameters (Note [A loss outside the
+    modules under ZeRO-3]), so its backward gets them whole; otherwise the forward runs as it is.
+    """
+    top = _zero3_top(model) if any(hasattr(p, "ds_id") for p in params) else None
+    if top is None:
+        return model(**kwargs), loss_of()
+    import deepspeed
+
+    for p in params:  # once per parameter (by id)
+        deepspeed.zero.register_external_parameter(top, p)
+
+    def carry_out(module, args, outputs):
+        loss = loss_of()
+        return None if loss is None else _LossOut((outputs, loss))
+
+    handle = top.register_forward_hook(carry_out, prepend=True)  # before DeepSpeed's hooks see the outputs
+    try:
+        result = model(**kwargs)
+    finally:
+        handle.remove()
+    if isinstance(result, _LossOut):
+        return result[0], result[1]
+    if loss_of() is not None:
+        raise ValueError(f"DeepSpeed ZeRO-3: {type(top).__name__}'s outputs did not come back through its forward "
+                         "hooks, so the loss's backward would not get the parameters it reads")
+    return result, None
+
+
+def _zero3_top(model: torch.nn.Module) -> torch.nn.Module:
+    """The outermost module of `model`'s wrapper chain that DeepSpeed ZeRO-3 hooked (the engine's ``.module``)."""
+    module = model
+    while "ds_external_parameters" not in vars(module):  # set on each module DeepSpeed hooks (not the engine)
+        inner = module._modules.get("module", module._modules.get("_orig_mod"))
+        if not isinstance(inner, torch.nn.Module):
+            raise ValueError(f"DeepSpeed ZeRO-3 partitions the parameters a loss reads, but {type(model).__name__} "
+                             "is neither its engine nor a module it hooked: call the engine")
+        module = inner
+    return module

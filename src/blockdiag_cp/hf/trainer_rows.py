@@ -119,15 +119,10 @@ class RowsStrategy:
     def _adopt_linear_ce(self, model: torch.nn.Module) -> None:
         """``linear_ce=True``: refuse by name what the linear cross-entropy loss does not compute exactly
         (docs/memory.md), before any step."""
-        from transformers.integrations import is_deepspeed_zero3_enabled
-
         t = self.trainer
         for what, why in ((t.whole_batch, "whole_batch=True (the loss of rows from several replicas)"),
                           (t.compute_loss_func is not None, "a compute_loss_func (it takes the logits)"),
-                          (self.router_balance is not None, "the MoE router loss (output_router_logits)"),
-                          (is_deepspeed_zero3_enabled(), "DeepSpeed ZeRO-3 (it gathers the LM head's weight for the "
-                           "head's own forward and backward only; the loss reads it in the head's pre-hook, whose "
-                           "backward DeepSpeed does not see: use ZeRO-2 or FSDP2)")):
+                          (self.router_balance is not None, "the MoE router loss (output_router_logits)")):
             if what:
                 raise ValueError(f"linear_ce=True is not verified with {why}: turn one of them off")
         linear_head(model)  # a head the loss cannot read is refused by name
