@@ -90,15 +90,17 @@ def test_deepspeed_zero_checkpoints_resume_under_cp(own_pools, tmp_path):
     data-parallel world (its ZeRORuntimeException), which the last case checks stays so."""
     pytest.importorskip("deepspeed")
     for stage in (2, 3):
+        dtype = {"dtype": "float32"} if stage == 3 else {}  # ZeRO-3 partitions float32/bf16/fp16 parameters only
         resume_equals_uninterrupted(own_pools, tmp_path / f"z{stage}", f"ZeRO-{stage} dp1 x cp2", k=2, steps=4,
-                                    world=2, changes={"args": saving_every(2, deepspeed=zero(stage))})
+                                    world=2, changes={**dtype, "args": saving_every(2, deepspeed=zero(stage))})
         universal = saving_every(1, deepspeed=zero(stage, checkpoint={"load_universal": True}))
         resume_equals_uninterrupted(  # observed 1.0e-8: the universal checkpoint's fp32 copy of the float64 weights
             own_pools, tmp_path / f"z{stage}u", f"ZeRO-{stage} dp2 x cp2 -> dp1 x cp2 (universal)", k=1, steps=3,
-            world=4, changes={"args": saving_every(1, deepspeed=zero(stage))}, then_world=2,
-            then_changes={"batch": 6, "args": universal}, convert=to_universal, param_tol=1e-7)
+            world=4, changes={**dtype, "args": saving_every(1, deepspeed=zero(stage))}, then_world=2,
+            then_changes={**dtype, "batch": 6, "args": universal}, convert=to_universal, param_tol=1e-7)
     with pytest.raises(RuntimeError, match="used a DP world size of 4 but the current world size is 2"):
         own_pools(2).run(tr.pool_run, tr.spec(cp=2, steps=3, batch=6, evaluate=False, output_dir=str(tmp_path / "no"),
+                                              dtype="float32",
                                               resume=str(tmp_path / "z3u" / "uninterrupted" / "checkpoint-2"),
                                               args=saving_every(1, deepspeed=zero(3))))
 

@@ -18,6 +18,8 @@ import trainer_runs as tr  # noqa: E402
 from trainer_runs import fsdp2, zero  # noqa: E402
 
 SFT = {"trainer": "sft"}
+#: DeepSpeed's ZeRO-3 partitions float32, bfloat16 and float16 parameters only (its zero.Init asserts so on CPU too)
+F32 = {"dtype": "float32"}
 
 
 def compare(pools, dp: int, label: str, changes: dict, wrapper: str, tol=1e-6, param_tol=1e-6, grad_tol=None):
@@ -43,14 +45,15 @@ def test_deepspeed_zero_equals_the_same_stage_without_cp(own_pools, tmp_path):
     path = tmp_path / "zero3.json"
     path.write_text(json.dumps(zero(3)))
     compare(own_pools, 1, "ZeRO-2, Trainer", {"args": {"deepspeed": zero(2), **clip}}, "DeepSpeedEngine ZeRO-2")
-    compare(own_pools, 1, "ZeRO-3 (a JSON file), SFT", {**SFT, "args": {"deepspeed": str(path), **clip}},
-            "DeepSpeedEngine ZeRO-3")
+    compare(own_pools, 1, "ZeRO-3 (a JSON file), SFT", {**SFT, **F32, "args": {"deepspeed": str(path), **clip}},
+            "DeepSpeedEngine ZeRO-3", param_tol=1e-5)
     compare(own_pools, 1, "ZeRO-1, Trainer, average_tokens_across_devices=False",
             {"args": {"deepspeed": zero(1), "average_tokens_across_devices": False, **clip}}, "DeepSpeedEngine ZeRO-1")
-    compare(own_pools, 1, "ZeRO-3, SFT, bf16", {**SFT, "args": {"deepspeed": zero(3, bf16={"enabled": "auto"}),
+    compare(own_pools, 1, "ZeRO-3, SFT, bf16", {**SFT, **F32, "args": {"deepspeed": zero(3, bf16={"enabled": "auto"}),
                                                                "bf16": True, **clip}},
             "DeepSpeedEngine ZeRO-3", tol=2e-4, grad_tol=5e-3, param_tol=1e-2)  # observed 3e-5, 1.3e-3, 5.9e-3
-    compare(own_pools, 2, "dp2 ZeRO-3, Trainer", {"args": {"deepspeed": zero(3), **clip}}, "DeepSpeedEngine ZeRO-3")
+    compare(own_pools, 2, "dp2 ZeRO-3, Trainer", {**F32, "args": {"deepspeed": zero(3), **clip}}, "DeepSpeedEngine ZeRO-3",
+            param_tol=2e-3)  # float32 Adam at lr 1e-2 amplifies rounding (plain loss vs no CP: 4.9e-4)
     compare(own_pools, 2, "dp2 ZeRO-2, SFT", {**SFT, "args": {"deepspeed": zero(2), **clip}}, "DeepSpeedEngine ZeRO-2")
     compare(own_pools, 2, "dp2 ZeRO-2, Trainer, accepts_loss_kwargs=False",
             {"accepts_loss_kwargs": False, "args": {"deepspeed": zero(2), **clip}}, "DeepSpeedEngine ZeRO-2",
