@@ -152,73 +152,75 @@ def _value(value: Any) -> Any:
     return getattr(value, "value", value)
 
 
-#: ``(which arguments, field, is it refused (value -> bool), why and what to do)``: LLaMA-Factory's own options
-_REFUSED: tuple[tuple[str, str, Callable[[Any], bool], str], ...] = (
-    ("finetuning", "stage", lambda v: v != "sft", "only the SFT workflow (stage: sft) is verified under CP"),
-    ("data", "neat_packing", lambda v: v is not True, "packing: true without neat_packing lets the documents of a "
-     "row attend to each other, and unpacked rows are not verified under CP: set neat_packing: true"),
-    ("finetuning", "finetuning_type", lambda v: v != "full", "only full fine-tuning is verified under CP through "
-     "this entry (LoRA, freeze and OFT are not tested here): use finetuning_type: full"),
-    ("model", "flash_attn", lambda v: _value(v) not in ("auto", "sdpa", "disabled"), "under the mixin the model "
-     "attends with blockdiag-cp's per-document kernel (chosen by CPConfig), and LLaMA-Factory's FlashAttention path "
-     "unpads the rows itself: leave flash_attn at auto, sdpa or disabled"),
-    ("model", "shift_attn", bool, "LongLoRA's shifted short attention mixes heads across groups of tokens, not "
-     "documents: turn it off"),
-    ("model", "use_unsloth", bool, "unsloth replaces the model's attention and loss: turn it off"),
-    ("model", "use_unsloth_gc", bool, "unsloth's gradient checkpointing is not verified under CP: turn it off"),
-    ("model", "enable_liger_kernel", bool, "Liger kernels replace the loss forward, which would shift labels inside "
-     "each shard: turn them off"),
-    ("model", "use_v1_kernels", bool, "LLaMA-Factory's v1 kernels replace model modules: turn them off"),
-    ("model", "use_kt", bool, "KTransformers replaces the model's modules: turn it off"),
-    ("model", "mixture_of_depths", lambda v: v is not None, "mixture-of-depths routes tokens across the row: leave "
-     "it unset"),
-    ("model", "rope_scaling", lambda v: v is not None, "RoPE scaling is not verified under CP (dynamic scaling reads "
-     "the longest position of the forward's input, a shard's under CP): leave it unset"),
-    ("model", "quantization_bit", lambda v: v is not None, "quantized training is not verified under CP: leave "
-     "quantization_bit unset"),
-    ("finetuning", "use_dft_loss", bool, "LLaMA-Factory's DFT loss is not verified under CP: turn it off"),
-    ("finetuning", "use_eaft_loss", bool, "LLaMA-Factory's EAFT loss is not verified under CP: turn it off"),
-    ("finetuning", "use_asft_loss", bool, "ASFT runs a reference model on the unsharded rows with their dense mask: "
+#: ``(option, is it refused (value -> bool), why and what to do)``: LLaMA-Factory's own options under CP
+_REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("stage", lambda v: v != "sft", "only the SFT workflow (stage: sft) is verified under CP"),
+    ("neat_packing", lambda v: v is not True, "packing: true without neat_packing lets the documents of a row attend "
+     "to each other, and unpacked rows are not verified under CP: set neat_packing: true"),
+    ("finetuning_type", lambda v: v != "full", "only full fine-tuning is verified under CP through this entry (LoRA, "
+     "freeze and OFT are not tested here; LLaMA-Factory's default is lora): set finetuning_type: full"),
+    ("flash_attn", lambda v: _value(v) not in ("auto", "sdpa", "disabled"), "under the mixin the model attends with "
+     "blockdiag-cp's per-document kernel (chosen by CPConfig), and LLaMA-Factory's FlashAttention path unpads the "
+     "rows itself: leave flash_attn at auto, sdpa or disabled"),
+    ("shift_attn", bool, "LongLoRA's shifted short attention mixes heads across groups of tokens, not documents: "
      "turn it off"),
-    ("finetuning", "use_galore", bool, "GaLore is not verified under CP (its layer-wise mode updates inside "
-     "backward): use the Trainer's optimizers"),
-    ("finetuning", "use_apollo", bool, "APOLLO is not verified under CP: use the Trainer's optimizers"),
-    ("finetuning", "use_badam", bool, "BAdam patches gradient clipping and is not verified under CP"),
-    ("finetuning", "use_adam_mini", bool, "Adam-mini is not verified under CP: use the Trainer's optimizers"),
-    ("finetuning", "use_muon", bool, "Muon is not verified under CP: use the Trainer's optimizers"),
-    ("finetuning", "use_mca", bool, "mcore_adapter trains with Megatron's own parallelism, not this Trainer: turn "
-     "it off"),
-    ("finetuning", "use_hyper_parallel", bool, "hyper_parallel's workflow has its own parallelism and trainer: turn "
-     "it off"),
-    ("finetuning", "compute_accuracy", bool, "the token accuracy metric is not verified through this entry: turn it "
-     "off (eval_loss is)"),
-    ("data", "streaming", bool, "streamed datasets are not verified under CP through this entry: turn streaming off"),
-    ("training", "predict_with_generate", bool, "generation from packed CP rows is not supported: evaluate the loss, "
-     "generate without CP"),
-    ("training", "fp8", bool, "FP8 training is not verified under CP: turn it off"),
+    ("use_unsloth", bool, "unsloth replaces the model's attention and loss: turn it off"),
+    ("use_unsloth_gc", bool, "unsloth's gradient checkpointing is not verified under CP: turn it off"),
+    ("enable_liger_kernel", bool, "Liger kernels replace the loss forward, which would shift labels inside each "
+     "shard: turn them off"),
+    ("use_v1_kernels", bool, "LLaMA-Factory's v1 kernels replace model modules: turn them off"),
+    ("use_kt", bool, "KTransformers replaces the model's modules: turn it off"),
+    ("mixture_of_depths", lambda v: v is not None, "mixture-of-depths routes tokens across the row: leave it unset"),
+    ("rope_scaling", lambda v: v is not None, "RoPE scaling is not verified under CP (dynamic scaling reads the "
+     "longest position of the forward's input, a shard's under CP): leave it unset"),
+    ("quantization_bit", lambda v: v is not None, "quantized training is not verified under CP: leave "
+     "quantization_bit unset"),
+    ("use_dft_loss", bool, "LLaMA-Factory's DFT loss is not verified under CP: turn it off"),
+    ("use_eaft_loss", bool, "LLaMA-Factory's EAFT loss is not verified under CP: turn it off"),
+    ("use_asft_loss", bool, "ASFT runs a reference model on the unsharded rows with their dense mask: turn it off"),
+    ("use_galore", bool, "GaLore is not verified under CP (its layer-wise mode updates inside backward): use the "
+     "Trainer's optimizers"),
+    ("use_apollo", bool, "APOLLO is not verified under CP: use the Trainer's optimizers"),
+    ("use_badam", bool, "BAdam patches gradient clipping and is not verified under CP"),
+    ("use_adam_mini", bool, "Adam-mini is not verified under CP: use the Trainer's optimizers"),
+    ("use_muon", bool, "Muon is not verified under CP: use the Trainer's optimizers"),
+    ("use_mca", bool, "mcore_adapter trains with Megatron's own parallelism, not this Trainer: turn it off"),
+    ("use_hyper_parallel", bool, "hyper_parallel's workflow has its own parallelism and trainer: turn it off"),
+    ("compute_accuracy", bool, "the token accuracy metric is not verified through this entry: turn it off (eval_loss "
+     "is)"),
+    ("streaming", bool, "streamed datasets are not verified under CP through this entry: turn streaming off"),
+    ("predict_with_generate", bool, "generation from packed CP rows is not supported: evaluate the loss, generate "
+     "without CP"),
+    ("fp8", bool, "FP8 training is not verified under CP: turn it off"),
 )
 
 
-def refusals(model_args: Any, data_args: Any, training_args: Any, finetuning_args: Any) -> list[str]:
-    """``"field=value: why"`` for each LLaMA-Factory option (its parsed arguments) refused under CP."""
-    groups = {"model": model_args, "data": data_args, "training": training_args, "finetuning": finetuning_args}
-    out = []
-    for group, field, refused, why in _REFUSED:
-        value = getattr(groups[group], field, None)
-        if refused(value):
-            out.append(f"{field}={_value(value)!r}: {why}")
+def _defaults() -> dict[str, Any]:
+    """LLaMA-Factory's default of every option `_REFUSED` names (its argument dataclasses' defaults)."""
+    from llamafactory.hparams import DataArguments, FinetuningArguments, ModelArguments, TrainingArguments
+
+    out = {}
+    for cls in (ModelArguments, DataArguments, FinetuningArguments, TrainingArguments):
+        out.update({f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING})
     return out
 
 
-def check_config(args: dict[str, Any]) -> None:
-    """`ValueError` naming every refused option of LLaMA-Factory config `args` (without `CP_SIZE_KEY`), parsed by
-    LLaMA-Factory's own parser; Ray launches are refused too (the entry is started by torchrun)."""
-    from llamafactory.hparams import get_ray_args, get_train_args
+def refusals(config: dict[str, Any]) -> list[str]:
+    """``"option=value: why"`` for each option of LLaMA-Factory config `config` refused under CP (a missing option
+    has LLaMA-Factory's default)."""
+    values = {**_defaults(), **config}
+    return [f"{name}={_value(values.get(name))!r}: {why}" for name, refused, why in _REFUSED
+            if refused(values.get(name))]
 
-    if get_ray_args(dict(args)).use_ray:
+
+def check_config(args: dict[str, Any]) -> None:
+    """`ValueError` naming every refused option of LLaMA-Factory config `args` (without `CP_SIZE_KEY`); Ray
+    launches are refused too (the entry is started by torchrun)."""
+    from llamafactory.extras.misc import use_ray
+
+    if use_ray():
         raise ValueError("USE_RAY: the entry runs under torchrun, not Ray: unset USE_RAY")
-    model_args, data_args, training_args, finetuning_args, _ = get_train_args(dict(args))
-    found = refusals(model_args, data_args, training_args, finetuning_args)
+    found = refusals(args)
     if found:
         raise ValueError("LLaMA-Factory under blockdiag-cp refuses options that would differ from the run without CP "
                          "or that are not verified:\n  " + "\n  ".join(found))
