@@ -25,6 +25,12 @@ import pytest
 import torch
 
 pytest.importorskip("llamafactory")
+try:
+    import llamafactory.train.sft.workflow  # noqa: F401  (imports torchvision and torchaudio when installed)
+except (ImportError, OSError, RuntimeError) as exc:
+    pytest.fail(f"LLaMA-Factory is installed but its SFT workflow does not import ({type(exc).__name__}: {exc}); "
+                "with a CPU-only torch see docs/llamafactory.md#cpu-only-torch-as-on-the-projects-ci-machine",
+                pytrace=False)
 
 from blockdiag_cp.testing import hang_timeout  # noqa: E402
 
