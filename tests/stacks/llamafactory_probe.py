@@ -40,7 +40,7 @@ class ProbeTrainer(LlamaFactoryCPTrainer):
         result = super().train(*args, **kwargs)
         batch = next(iter(self.get_eval_dataloader()))
         row = {k: v[:1].clone() for k, v in batch.items() if isinstance(v, torch.Tensor)}
-        docs = row["_packed_seq_ids"][0]
+        docs = row["attention_mask"][0]  # neat_packing's own document indices (not what the entry derived from them)
         victim = int(docs.max())  # the row's last document
         inside = docs == victim
         edited = {k: v.clone() for k, v in row.items()}
