@@ -39,7 +39,7 @@ ROOT = HERE.parents[1]
 CONFIG = dict(stage="sft", do_train=True, finetuning_type="full", dataset="tiny_train", eval_dataset="tiny_eval",
               template="default", cutoff_len=96, packing=True, neat_packing=True, overwrite_cache=True,
               preprocessing_num_workers=1, overwrite_output_dir=True, per_device_train_batch_size=2,
-              per_device_eval_batch_size=2, gradient_accumulation_steps=2, learning_rate=1.0e-2, max_steps=2,
+              per_device_eval_batch_size=3, gradient_accumulation_steps=2, learning_rate=1.0e-2, max_steps=2,
               logging_steps=1, save_strategy="no", eval_strategy="no", do_eval=True, report_to="none",
               disable_shuffling=True, use_cpu=True, seed=0)
 
