@@ -4,8 +4,8 @@
 
 Runs `blockdiag_cp.integrations.llamafactory.main` with `ProbeTrainer`: LLaMA-Factory's own SFT workflow
 trains, saves and evaluates as usual; between training and saving, the probe takes the first packed row of
-the evaluation data (LLaMA-Factory's neat packing, through the entry's collator), changes the tokens of one
-of its documents, and writes every target's loss before and after, computed under CP and gathered, to
+the evaluation data (LLaMA-Factory's neat packing, through the entry's collator), changes the tokens of its
+first document, and writes every target's loss before and after, computed under CP and gathered, to
 ``<output_dir>/leak_probe.json`` (rank 0).
 """
 
@@ -41,7 +41,7 @@ class ProbeTrainer(LlamaFactoryCPTrainer):
         batch = next(iter(self.get_eval_dataloader()))
         row = {k: v[:1].clone() for k, v in batch.items() if isinstance(v, torch.Tensor)}
         docs = row["attention_mask"][0]  # neat_packing's own document indices (not what the entry derived from them)
-        victim = int(docs.max())  # the row's last document
+        victim = 1  # the row's first document: a leak would reach the ones after it (causal attention)
         inside = docs == victim
         edited = {k: v.clone() for k, v in row.items()}
         vocab = self.model.config.vocab_size
