@@ -236,10 +236,14 @@ class BlockDiagCPMixin:
                                               ignore_keys)
 
     def evaluation_loop(self, *args: Any, **kwargs: Any):
-        """The Trainer's loop, gathering one CP rank per replica (Note [Every dp replica sees ...])."""
+        """The Trainer's loop, gathering one CP rank per replica (Note [Every dp replica sees ...]); where the
+        trainer gathers with accelerate's plain ``gather`` (Seq2SeqTrainer's ``evaluate``), the last batch is kept
+        whole, as that gather keeps it."""
         if self.cp_size > 1:
             use_objects = getattr(self.args, "eval_use_gather_object", False)
-            self.gather_function = functools.partial(self._gather_over_replicas, use_gather_object=use_objects)
+            trim = getattr(self.gather_function, "__func__", None) is not getattr(type(self.accelerator), "gather", None)
+            self.gather_function = functools.partial(gather_over_replicas, accelerator=self.accelerator, dp=self.dp_size,
+                                                     cp=self.cp_size, use_gather_object=use_objects, trim=trim)
         return super().evaluation_loop(*args, **kwargs)
 
     def train(self, *args: Any, **kwargs: Any):
@@ -275,10 +279,6 @@ class BlockDiagCPMixin:
 
     def _cp_group(self):
         return None if self.cp_mesh is None else self.cp_mesh.get_group()
-
-    def _gather_over_replicas(self, data, use_gather_object: bool = False):
-        """``gather_for_metrics`` over the dp replicas (`gather_over_replicas`)."""
-        return gather_over_replicas(data, self.accelerator, self.dp_size, self.cp_size, use_gather_object)
 
 
 class BlockDiagCPTrainer(BlockDiagCPMixin, transformers.Trainer):
@@ -370,13 +370,15 @@ def _shard_over_dp(dataloader, dp: int, dp_rank: int, cp: int):
     left as it is).
     """
     from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
-    from transformers.trainer_pt_utils import BatchRebalanceSampler
+    from transformers import trainer_pt_utils
+
+    rebalance = getattr(trainer_pt_utils, "BatchRebalanceSampler", ())  # () where transformers has none (5.6)
 
     if cp == 1 or dataloader is None:
         return dataloader  # accelerate already shards over the dp replicas
     found = False
     for shard in (getattr(dataloader, "batch_sampler", None), getattr(dataloader, "dataset", None)):
-        if isinstance(shard, BatchSamplerShard) and not isinstance(shard.batch_sampler, BatchRebalanceSampler):
+        if isinstance(shard, BatchSamplerShard) and not isinstance(shard.batch_sampler, rebalance):
             shard.num_processes, shard.process_index = dp, dp_rank
             shard.even_batches = shard.even_batches and dp > 1  # one replica: every batch as it comes
             found = True

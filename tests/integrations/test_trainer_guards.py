@@ -44,9 +44,18 @@ def test_trainers_the_mixin_cannot_shard_are_refused_by_name(name):
         mixed(model=None, args=None, cp_size=2)  # refused before the trainer's own __init__ runs
 
 
-def test_seq2seq_trainer_is_refused_and_user_subclasses_are_not(trainer_example, tmp_path):
-    with pytest.raises(ValueError, match="does not support Seq2SeqTrainer"):
-        type("CPSeq2Seq", (BlockDiagCPMixin, transformers.Seq2SeqTrainer), {})(model=None, args=None)
+def test_seq2seq_generation_is_refused_and_user_subclasses_are_not(trainer_example, tmp_path):
+    """Seq2SeqTrainer trains rows as the Trainer does (LLaMA-Factory's SFT trainer is one: tests/stacks/
+    test_llamafactory.py compares it with the run without CP); its generation from packed CP rows is refused."""
+    cp_seq2seq = type("CPSeq2Seq", (BlockDiagCPMixin, transformers.Seq2SeqTrainer), {})
+    args = transformers.Seq2SeqTrainingArguments(output_dir=str(tmp_path), use_cpu=True, predict_with_generate=True)
+    with pytest.raises(ValueError, match="predict_with_generate=True: generation from packed CP rows"):
+        cp_seq2seq(model=trainer_example.tiny_llama(), args=args, cp_size=1)
+    args.predict_with_generate = False
+    assert cp_seq2seq(model=trainer_example.tiny_llama(), args=args, cp_size=1).cp_size == 1
+    mine = type("MyTrainer", (BlockDiagCPTrainer,), {"compute_loss": BlockDiagCPTrainer.compute_loss})
+    trainer = mine(model=trainer_example.tiny_llama(), args=arguments(trainer_example, tmp_path), cp_size=1)
+    assert trainer.cp_size == 1
     mine = type("MyTrainer", (BlockDiagCPTrainer,), {"compute_loss": BlockDiagCPTrainer.compute_loss})
     trainer = mine(model=trainer_example.tiny_llama(), args=arguments(trainer_example, tmp_path), cp_size=1)
     assert trainer.cp_size == 1

@@ -16,12 +16,14 @@ from blockdiag_cp.hf import options  # noqa: E402
 from blockdiag_cp.hf.model_checks import check_loss_inputs, virtual_token_adapters  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-KINDS = {"TrainingArguments": "rows", "SFTConfig": "rows", "DPOConfig": "scoring", "GRPOConfig": "generating"}
+KINDS = {"TrainingArguments": "rows", "Seq2SeqTrainingArguments": "rows", "SFTConfig": "rows", "DPOConfig": "scoring",
+         "GRPOConfig": "generating"}
 
 
 def configs():
     """One default instance of each classified config class (TRL's when installed)."""
-    out = [transformers.TrainingArguments(output_dir="/tmp/blockdiag_cp_options", use_cpu=True)]
+    out = [cls(output_dir="/tmp/blockdiag_cp_options", use_cpu=True)
+           for cls in (transformers.TrainingArguments, transformers.Seq2SeqTrainingArguments)]
     try:
         import trl
     except ImportError:
@@ -40,7 +42,8 @@ def test_every_option_of_the_trainers_configs_is_classified(defaults):
     for args in defaults:
         unclassified = [name for name in options.library_fields(args) if options.rule_for(args, name) is None]
         assert not unclassified, f"{type(args).__name__}: classify {unclassified} in blockdiag_cp/hf/options.py"
-    for table, cls in ((options.TRAINING_ARGUMENTS, transformers.TrainingArguments),):
+    for table, cls in ((options.TRAINING_ARGUMENTS, transformers.TrainingArguments),
+                       (options.SEQ2SEQ_ARGUMENTS, transformers.Seq2SeqTrainingArguments)):
         stale = sorted(set(table) - {f.name for f in dataclasses.fields(cls)})
         assert not stale, f"rules for fields {cls.__name__} no longer has: {stale}"
 

@@ -353,9 +353,18 @@ GRPO_CONFIG = types.MappingProxyType({
                            ok=lambda v: v == 1),
 })
 
+#: ``Seq2SeqTrainingArguments``' own fields (LLaMA-Factory's SFT trainer is a Seq2SeqTrainer of rows)
+SEQ2SEQ_ARGUMENTS = types.MappingProxyType({
+    **_rules(INERT, "read only by generation (predict_with_generate, refused) or not at all (sortish_sampler)",
+             "sortish_sampler generation_max_length generation_num_beams generation_config", kinds=ROWS),
+    "predict_with_generate": Rule(REFUSED, "generation from packed CP rows is not supported: evaluate the loss under "
+                                  "CP and generate without CP", kinds=ROWS),
+})
+
 #: config class name (transformers / TRL) -> its own fields' rules
 RULES_BY_CONFIG = types.MappingProxyType({
     "TrainingArguments": TRAINING_ARGUMENTS,
+    "Seq2SeqTrainingArguments": SEQ2SEQ_ARGUMENTS,
     "SFTConfig": SFT_CONFIG,
     "DPOConfig": DPO_CONFIG,
     "GRPOConfig": GRPO_CONFIG,

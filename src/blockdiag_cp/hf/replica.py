@@ -101,9 +101,11 @@ def first_cp_rank_rows(gathered: torch.Tensor, dp: int, cp: int) -> torch.Tensor
     return by_rank[:, 0].reshape(-1, *gathered.shape[1:])
 
 
-def gather_over_replicas(data: Any, accelerator: Any, dp: int, cp: int, use_gather_object: bool = False) -> Any:
+def gather_over_replicas(data: Any, accelerator: Any, dp: int, cp: int, use_gather_object: bool = False,
+                         trim: bool = True) -> Any:
     """accelerate's ``gather_for_metrics`` over the dp replicas of a world of ``dp x cp`` ranks: the world's
-    gather, one CP rank per replica, then the last batch trimmed to the dataset's remainder."""
+    gather, one CP rank per replica, then (``trim``; without it: its plain ``gather``) the last batch trimmed to
+    the dataset's remainder."""
     from accelerate.utils import recursively_apply
 
     if use_gather_object:
@@ -111,7 +113,7 @@ def gather_over_replicas(data: Any, accelerator: Any, dp: int, cp: int, use_gath
     else:
         keep = functools.partial(first_cp_rank_rows, dp=dp, cp=cp)
         data = recursively_apply(keep, accelerator.gather(data))
-    kept = kept_replicas(accelerator.gradient_state)
+    kept = kept_replicas(accelerator.gradient_state) if trim else None
     if kept is None:
         return data
     return data[:kept] if use_gather_object else recursively_apply(lambda t: t[:kept], data)

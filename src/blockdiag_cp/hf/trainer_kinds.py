@@ -7,7 +7,8 @@ replicas, FLOPs and token counts. Everything that depends on what the trainer tr
 at the trainer's kind):
 
     kind          strategy                                 the trainers
-    rows          RowsStrategy (hf/trainer_rows.py)        transformers' Trainer, TRL's base trainer
+    rows          RowsStrategy (hf/trainer_rows.py)        transformers' Trainer (and Seq2SeqTrainer without
+                                                           generation), TRL's base trainer
                   SFTRowsStrategy                          TRL's SFTTrainer (its fused head's loss and metrics)
     scoring       ScoringStrategy (hf/trainer_scoring.py)  TRL's DPOTrainer
     generating    GeneratingStrategy                       TRL's GRPOTrainer
@@ -75,6 +76,7 @@ class TrainerStrategy(Protocol):
 #: (module, class) of each transformers / TRL trainer the mixin supports -> its strategy
 STRATEGIES: Mapping[tuple[str, str], type[TrainerStrategy]] = MappingProxyType({
     ("transformers.trainer", "Trainer"): RowsStrategy,
+    ("transformers.trainer_seq2seq", "Seq2SeqTrainer"): RowsStrategy,  # its generation (predict_with_generate) refused
     ("trl.trainer.base_trainer", "_BaseTrainer"): RowsStrategy,
     ("trl.trainer.sft_trainer", "SFTTrainer"): SFTRowsStrategy,
     ("trl.trainer.dpo_trainer", "DPOTrainer"): ScoringStrategy,
@@ -95,8 +97,8 @@ def strategy_for(cls: type) -> type[TrainerStrategy]:
                 f"BlockDiagCPMixin does not support {base.__qualname__} ({base.__module__}): it is neither a trainer of "
                 "language-model rows (token ids with per-token labels) nor one of the scoring trainers whose forwards "
                 "the mixin shards, so sharding its batches would be wrong or crash inside the trainer. Supported: "
-                "transformers.Trainer, trl.SFTTrainer, trl.DPOTrainer and trl.GRPOTrainer (and your own subclasses "
-                "of them); train this one without the mixin."
+                "transformers.Trainer, transformers.Seq2SeqTrainer (without generation), trl.SFTTrainer, trl.DPOTrainer "
+                "and trl.GRPOTrainer (and your own subclasses of them); train this one without the mixin."
             )
         found.append(strategy)
     return found[0] if found else RowsStrategy

@@ -1,0 +1,283 @@
+"""LLaMA-Factory's SFT workflow with ``neat_packing``, its trainer swapped for one under `BlockDiagCPMixin`.
+
+    torchrun --nproc-per-node 2 -m blockdiag_cp.integrations.llamafactory cfg.yaml [key=value ...]
+
+``cfg.yaml`` is a LLaMA-Factory training config (what ``llamafactory-cli train cfg.yaml`` reads, with
+the same ``key=value`` overrides) plus one key of this entry, ``blockdiag_cp_size`` (ranks per CP group;
+it must divide the world size; 1 = data parallel with per-document attention). The key is taken out
+before LLaMA-Factory parses the rest, so its own parser never sees it.
+
+Note [LLaMA-Factory's SFT under the mixin]
+------------------------------------------
+The entry runs LLaMA-Factory's own `run_exp` (its argument parsing, tokenizer, template,
+dataset packing, model loading with its patches, callbacks, saving and evaluation), with one
+name changed for the call: ``llamafactory.train.sft.workflow.CustomSeq2SeqTrainer``, which
+`run_sft` builds its trainer from, is `LlamaFactoryCPTrainer` (``BlockDiagCPMixin`` in front of
+LLaMA-Factory's own class) for the duration of the run. Everything the mixin guarantees then
+holds for LLaMA-Factory's trainer: losses, grad norms, parameters and evaluation equal the run
+without CP (docs/llamafactory.md has the measured numbers).
+
+The documents are the ones ``neat_packing`` packed: LLaMA-Factory marks the tokens of the k-th
+conversation of a packed row with ``attention_mask == k`` (1-based; padding 0) and restarts
+``position_ids`` at 0 for each. Its collator turns that into a dense ``[B, 1, S, S]`` mask for
+its own attention; under the mixin the collator keeps the ``[B, S]`` indices instead (no
+``S x S`` mask per row), and `neat_packing_documents` hands them to the mixin as
+``_packed_seq_ids``, after checking that every document is one run of positions 0, 1, 2, ...
+The prompt tokens keep LLaMA-Factory's ``-100`` labels; the mixin shifts the labels of each
+unsharded row as the model's loss does.
+
+Options whose result under CP would differ from LLaMA-Factory without it, or that no test here
+compares, are refused by name before the model loads (`refusals`), as are the Trainer's
+options the mixin has not verified (hf/options.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import sys
+from typing import Any, Callable, ClassVar, Optional, Sequence
+
+import torch
+import transformers
+
+from ..step.slot import current_step
+from ..trainer import BlockDiagCPMixin
+
+#: the YAML key this entry adds to LLaMA-Factory's config
+CP_SIZE_KEY = "blockdiag_cp_size"
+
+
+def neat_packing_documents(attention_mask_BS: torch.Tensor, position_ids_BS: torch.Tensor) -> torch.Tensor:
+    """Document ids ``[B, S]`` (int64, 0 = padding) of rows packed by LLaMA-Factory's ``neat_packing``.
+
+    Args:
+        attention_mask_BS: ``[B, S]`` the packed sequence's 1-based index per token, 0 on padding.
+        position_ids_BS: ``[B, S]`` positions restarting at 0 in each packed sequence.
+
+    Every document must be one contiguous run whose positions are 0, 1, 2, ...; anything else
+    (a 0/1 mask from ``packing`` without ``neat_packing``, a dense 4-D mask, an index that comes
+    back later in the row) is a `ValueError`: its documents cannot be read exactly.
+    """
+    if not isinstance(attention_mask_BS, torch.Tensor) or attention_mask_BS.dim() != 2:
+        shape = tuple(attention_mask_BS.shape) if isinstance(attention_mask_BS, torch.Tensor) else None
+        raise ValueError(f"neat_packing rows carry a [B, S] attention_mask of document indices, got shape {shape}")
+    if not isinstance(position_ids_BS, torch.Tensor) or position_ids_BS.shape != attention_mask_BS.shape:
+        raise ValueError("neat_packing rows carry position_ids [B, S] restarting at 0 per document; got "
+                         f"{None if position_ids_BS is None else tuple(position_ids_BS.shape)}")
+    ids, pos = attention_mask_BS.to(torch.long), position_ids_BS.to(torch.long)
+    real = ids != 0
+    starts = real.clone()
+    starts[:, 1:] &= ids[:, 1:] != ids[:, :-1]
+    continues = torch.zeros_like(real)
+    continues[:, 1:] = pos[:, 1:] == pos[:, :-1] + 1
+    if bool((starts & (pos != 0)).any()) or bool((real & ~starts & ~continues).any()):
+        raise ValueError("the attention_mask indices and position_ids of a packed row disagree (a document that does "
+                         "not start at position 0, or positions restarting inside one index): set neat_packing: true "
+                         "in the LLaMA-Factory config")
+    if bool((starts.sum(dim=1) != ids.amax(dim=1)).any()):
+        raise ValueError("a neat_packing document index comes back later in its row: its tokens are not one run")
+    return ids
+
+
+@dataclasses.dataclass
+class NeatPackedDocuments:
+    """LLaMA-Factory's SFT collator, keeping the ``[B, S]`` document indices and adding ``_packed_seq_ids``.
+
+    Attributes:
+        collator: LLaMA-Factory's ``SFTDataCollatorWith4DAttentionMask`` (a copy with ``block_diag_attn`` off
+            is called: the mixin attends per document itself, no dense mask is built).
+    """
+
+    collator: Any
+
+    def __post_init__(self) -> None:
+        self.collator = copy.copy(self.collator)
+        self.collator.block_diag_attn = False
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = self.collator(features)
+        batch["_packed_seq_ids"] = neat_packing_documents(batch.get("attention_mask"), batch.get("position_ids"))
+        return batch
+
+
+def _lf_trainer_class() -> type:
+    from llamafactory.train.sft.trainer import CustomSeq2SeqTrainer
+
+    return CustomSeq2SeqTrainer
+
+
+class LlamaFactoryCPTrainer(BlockDiagCPMixin, _lf_trainer_class()):
+    """LLaMA-Factory's ``CustomSeq2SeqTrainer`` under `BlockDiagCPMixin`, its collator's documents as ids.
+
+    Args:
+        cp_size, cp_config: the mixin's (`BlockDiagCPMixin`).
+        data_collator: LLaMA-Factory's SFT collator; wrapped in `NeatPackedDocuments`.
+        *args, **kwargs: LLaMA-Factory's trainer's, unchanged.
+    """
+
+    #: whether transformers' token count divides itself by ``get_cp_size()`` (as the mixin's Note [The loss under
+    #: CP equals the loss without CP] reads it): later transformers do; 5.6, the newest LLaMA-Factory 0.9.5 allows,
+    #: divides only by an accelerate ParallelismConfig's size
+    count_divides_by_cp: ClassVar[bool] = "get_cp_size" in inspect.getsource(transformers.Trainer._get_num_items_in_batch)
+
+    def __init__(self, *args: Any, data_collator: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, data_collator=NeatPackedDocuments(data_collator), **kwargs)
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
+        """The Trainer's token count of a step, divided by ``cp_size`` where transformers does not (the ``cp`` ranks
+        of a replica each count its whole batch)."""
+        count = super()._get_num_items_in_batch(batch_samples, device)
+        if self.count_divides_by_cp or not torch.is_tensor(count):
+            return count
+        return count / self.cp_size
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch: Any = None):
+        """The mixin's loss; an evaluation loss outside a CP step runs inside one. transformers 5.6 (the newest
+        LLaMA-Factory 0.9.5 allows) computes ``prediction_step``'s loss without the Trainer's CP hook, which later
+        transformers call there (its token count taken first, from the unsharded rows, as they do)."""
+        if model.training or current_step() is not None:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        train_ctx, inputs = self._prepare_context_parallel_inputs(model, inputs)
+        with train_ctx():
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+
+
+# -- options ----------------------------------------------------------------------------------------------------
+
+def _value(value: Any) -> Any:
+    return getattr(value, "value", value)
+
+
+#: ``(option, is it refused (value -> bool), why and what to do)``: LLaMA-Factory's own options under CP
+_REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("stage", lambda v: v != "sft", "only the SFT workflow (stage: sft) is verified under CP"),
+    ("neat_packing", lambda v: v is not True, "packing: true without neat_packing lets the documents of a row attend "
+     "to each other, and unpacked rows are not verified under CP: set neat_packing: true"),
+    ("finetuning_type", lambda v: v != "full", "only full fine-tuning is verified under CP through this entry (LoRA, "
+     "freeze and OFT are not tested here; LLaMA-Factory's default is lora): set finetuning_type: full"),
+    ("flash_attn", lambda v: _value(v) not in ("auto", "sdpa", "disabled"), "under the mixin the model attends with "
+     "blockdiag-cp's per-document kernel (chosen by CPConfig), and LLaMA-Factory's FlashAttention path unpads the "
+     "rows itself: leave flash_attn at auto, sdpa or disabled"),
+    ("shift_attn", bool, "LongLoRA's shifted short attention mixes heads across groups of tokens, not documents: "
+     "turn it off"),
+    ("use_unsloth", bool, "unsloth replaces the model's attention and loss: turn it off"),
+    ("use_unsloth_gc", bool, "unsloth's gradient checkpointing is not verified under CP: turn it off"),
+    ("enable_liger_kernel", bool, "Liger kernels replace the loss forward, which would shift labels inside each "
+     "shard: turn them off"),
+    ("use_v1_kernels", bool, "LLaMA-Factory's v1 kernels replace model modules: turn them off"),
+    ("use_kt", bool, "KTransformers replaces the model's modules: turn it off"),
+    ("mixture_of_depths", lambda v: v is not None, "mixture-of-depths routes tokens across the row: leave it unset"),
+    ("rope_scaling", lambda v: v is not None, "RoPE scaling is not verified under CP (dynamic scaling reads the "
+     "longest position of the forward's input, a shard's under CP): leave it unset"),
+    ("quantization_bit", lambda v: v is not None, "quantized training is not verified under CP: leave "
+     "quantization_bit unset"),
+    ("use_dft_loss", bool, "LLaMA-Factory's DFT loss is not verified under CP: turn it off"),
+    ("use_eaft_loss", bool, "LLaMA-Factory's EAFT loss is not verified under CP: turn it off"),
+    ("use_asft_loss", bool, "ASFT runs a reference model on the unsharded rows with their dense mask: turn it off"),
+    ("use_galore", bool, "GaLore is not verified under CP (its layer-wise mode updates inside backward): use the "
+     "Trainer's optimizers"),
+    ("use_apollo", bool, "APOLLO is not verified under CP: use the Trainer's optimizers"),
+    ("use_badam", bool, "BAdam patches gradient clipping and is not verified under CP"),
+    ("use_adam_mini", bool, "Adam-mini is not verified under CP: use the Trainer's optimizers"),
+    ("use_muon", bool, "Muon is not verified under CP: use the Trainer's optimizers"),
+    ("use_mca", bool, "mcore_adapter trains with Megatron's own parallelism, not this Trainer: turn it off"),
+    ("use_hyper_parallel", bool, "hyper_parallel's workflow has its own parallelism and trainer: turn it off"),
+    ("compute_accuracy", bool, "the token accuracy metric is not verified through this entry: turn it off (eval_loss "
+     "is)"),
+    ("streaming", bool, "streamed datasets are not verified under CP through this entry: turn streaming off"),
+    ("predict_with_generate", bool, "generation from packed CP rows is not supported: evaluate the loss, generate "
+     "without CP"),
+    ("fp8", bool, "FP8 training is not verified under CP: turn it off"),
+)
+
+
+def _defaults() -> dict[str, Any]:
+    """LLaMA-Factory's default of every option `_REFUSED` names (its argument dataclasses' defaults)."""
+    from llamafactory.hparams import DataArguments, FinetuningArguments, ModelArguments, TrainingArguments
+
+    out = {}
+    for cls in (ModelArguments, DataArguments, FinetuningArguments, TrainingArguments):
+        out.update({f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING})
+    return out
+
+
+def refusals(config: dict[str, Any]) -> list[str]:
+    """``"option=value: why"`` for each option of LLaMA-Factory config `config` refused under CP (a missing option
+    has LLaMA-Factory's default)."""
+    values = {**_defaults(), **config}
+    return [f"{name}={_value(values.get(name))!r}: {why}" for name, refused, why in _REFUSED
+            if refused(values.get(name))]
+
+
+def check_config(args: dict[str, Any]) -> None:
+    """`ValueError` naming every refused option of LLaMA-Factory config `args` (without `CP_SIZE_KEY`); Ray
+    launches are refused too (the entry is started by torchrun)."""
+    from llamafactory.extras.misc import use_ray
+
+    if use_ray():
+        raise ValueError("USE_RAY: the entry runs under torchrun, not Ray: unset USE_RAY")
+    found = refusals(args)
+    if found:
+        raise ValueError("LLaMA-Factory under blockdiag-cp refuses options that would differ from the run without CP "
+                         "or that are not verified:\n  " + "\n  ".join(found))
+
+
+def split_config(config: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """``(LLaMA-Factory's config, cp_size)``: `CP_SIZE_KEY` taken out of `config` (a new dict) and checked."""
+    if CP_SIZE_KEY not in config:
+        raise ValueError(f"set {CP_SIZE_KEY}: N in the config (ranks per CP group, dividing the world size)")
+    rest = {k: v for k, v in config.items() if k != CP_SIZE_KEY}
+    cp_size = config[CP_SIZE_KEY]
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"{CP_SIZE_KEY} must be an int >= 1, got {cp_size!r}")
+    return rest, cp_size
+
+
+def read_config(argv: Sequence[str]) -> dict[str, Any]:
+    """A YAML (or JSON) config and ``key=value`` overrides, merged as ``llamafactory-cli train`` merges them."""
+    from omegaconf import OmegaConf
+
+    if not argv or not str(argv[0]).endswith((".yaml", ".yml", ".json")):
+        raise ValueError("usage: torchrun ... -m blockdiag_cp.integrations.llamafactory cfg.yaml [key=value ...]")
+    merged = OmegaConf.merge(OmegaConf.load(argv[0]), OmegaConf.from_cli(list(argv[1:])))
+    return OmegaConf.to_container(merged)
+
+
+def run(config: dict[str, Any], callbacks: Optional[list] = None,
+        trainer_class: type = LlamaFactoryCPTrainer) -> None:
+    """Run LLaMA-Factory's SFT workflow on `config` (its config plus `CP_SIZE_KEY`) with `trainer_class` (a
+    `LlamaFactoryCPTrainer` subclass) as its trainer, under CP (Note [LLaMA-Factory's SFT under the mixin])."""
+    from llamafactory.train import tuner
+    from llamafactory.train.sft import workflow
+
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, LlamaFactoryCPTrainer)):
+        raise TypeError(f"trainer_class must subclass LlamaFactoryCPTrainer, got {trainer_class!r}")
+    args, cp_size = split_config(config)
+    check_config(args)
+    own = workflow.CustomSeq2SeqTrainer
+    workflow.CustomSeq2SeqTrainer = _with_cp_size(trainer_class, cp_size)
+    try:
+        tuner.run_exp(args=args, callbacks=callbacks)
+    finally:
+        workflow.CustomSeq2SeqTrainer = own
+
+
+def _with_cp_size(trainer_class: type, cp_size: int) -> Callable[..., Any]:
+    """`trainer_class` built with ``cp_size`` (what `run_sft` calls in place of its own trainer class)."""
+    def build(*args: Any, **kwargs: Any) -> Any:
+        return trainer_class(*args, cp_size=cp_size, **kwargs)
+
+    return build
+
+
+def main(argv: Optional[Sequence[str]] = None, trainer_class: type = LlamaFactoryCPTrainer) -> None:
+    """``python -m blockdiag_cp.integrations.llamafactory cfg.yaml [key=value ...]`` under torchrun."""
+    run(read_config(sys.argv[1:] if argv is None else argv), trainer_class=trainer_class)
+
+
+if __name__ == "__main__":
+    main()
