@@ -23,7 +23,8 @@ largest change of any other document's per-token loss when the first document's 
 row of one document). **Bytes**: what a rank sends (the ``wchar`` delta of /proc/self/io) inside the attention
 calls of one training step, forward and backward (an identity autograd function brackets each call's q/k/v and
 output), divided by the layers; the busiest rank, the last step. Outside the attention both pay the same ZeRO
-gradient reduction (not counted). **Step ms**: median over steps after the first, slowest rank. **Peak MiB**: the
+gradient reduction (not counted). **Step ms**: median over steps after the first, slowest rank (**CPU ms**: the
+same of the rank's CPU time, all its threads: less moved by other load on the machine). **Peak MiB**: the
 peak RSS of the last step above its start (``VmHWM`` reset at the step's beginning), largest rank.
 
 Last line: ``vs ALST: exact ours N/N, ALST M/N; bytes ours/ALST <range>; time ours/ALST <range>``: N counts the
@@ -34,6 +35,8 @@ the ratios range over every case ALST ran and each of our variants.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import math
 import os
 import statistics
@@ -44,7 +47,7 @@ import warnings
 
 import torch
 
-LAYERS, HIDDEN, HEAD_DIM, VOCAB, LR = 2, 64, 16, 257, 1e-3
+LAYERS, HEAD_DIM, VOCAB, LR = 2, 16, 257, 1e-3
 ROWS = ("uniform:64", "uniform:3", "one")  # many short documents; a few long ones; one long document
 METHODS = ("alst", "balanced", "ulysses")
 #: exact: (logged loss / grad norm relative, logits absolute, leak absolute) per dtype
@@ -96,8 +99,8 @@ def leak(before_S: torch.Tensor, after_S: torch.Tensor, lengths: list[int], vict
 
 
 def ratio_range(ratios: list[float]) -> str:
-    """``"lo-hix"`` of positive ratios (2 decimals), ``"n/a"`` if none."""
-    return f"{min(ratios):.2f}-{max(ratios):.2f}x" if ratios else "n/a"
+    """``"lo-hix"`` of positive ratios (3 significant digits), ``"n/a"`` if none."""
+    return f"{min(ratios):.3g}-{max(ratios):.3g}x" if ratios else "n/a"
 
 
 def summary_line(cases: list[dict]) -> str:
@@ -124,7 +127,8 @@ def tiny_llama(heads: int, kv_heads: int, tokens: int, dtype: str = "float64"):
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+    hidden = heads * HEAD_DIM  # transformers' config check: the hidden size a multiple of the heads
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
                                       num_hidden_layers=LAYERS, num_attention_heads=heads, num_key_value_heads=kv_heads,
                                       head_dim=HEAD_DIM, max_position_embeddings=tokens)
     model = transformers.LlamaForCausalLM(config).to(getattr(torch, dtype))
@@ -204,10 +208,11 @@ def _callback(records: dict):
         def on_step_begin(self, args, state, control, **kwargs):
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # VmHWM := the RSS now
-            self.base, meter.total, self.t0 = peak_kib(), 0, time.perf_counter()
+            self.base, meter.total, self.t0, self.cpu0 = peak_kib(), 0, time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
             records["ms"].append((time.perf_counter() - self.t0) * 1e3)
+            records["cpu_ms"].append((time.process_time() - self.cpu0) * 1e3)
             records["bytes"].append(meter.total / LAYERS)
             records["mib"].append((peak_kib() - self.base) / 1024)
 
@@ -285,7 +290,9 @@ def run_method(rank: int, world: int, case: dict, method: str) -> dict:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
-    records = {"ms": [], "bytes": [], "mib": []}
+    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed's notes as it loads (the table is the output)
+        import deepspeed  # noqa: F401
+    records = {"ms": [], "cpu_ms": [], "bytes": [], "mib": []}
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = build_trainer(case, method, tmp, [_callback(records)])
@@ -295,7 +302,8 @@ def run_method(rank: int, world: int, case: dict, method: str) -> dict:
         except ValueError as refusal:  # ALST's check of the head count, raised as the Trainer prepares the model
             return {"refused": str(refusal).splitlines()[0]}
     out = {"steps": [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "grad_norm" in e],
-           "ms": statistics.median(records["ms"][1:] or records["ms"]), "bytes": records["bytes"][-1],
+           "ms": statistics.median(records["ms"][1:] or records["ms"]),
+           "cpu_ms": statistics.median(records["cpu_ms"][1:] or records["cpu_ms"]), "bytes": records["bytes"][-1],
            "mib": records["mib"][-1], "attn": trainer.model.config._attn_implementation}
     logits = [row_logits(trainer, method, docs) for docs in (case["docs"], perturbed(case["docs"]))]
     params = torch.nn.utils.parameters_to_vector(full_parameters(trainer)).double()
@@ -331,6 +339,7 @@ def judge(ranks: list[dict], want_steps: list, scorer, case: dict) -> dict:
              and (leaked is None or leaked <= leak_tol))
     return {"exact": exact, "step_err": step_err, "logit_err": logit_err, "leak": leaked, "attn": got["attn"],
             "bytes": max(r["bytes"] for r in ranks), "ms": max(r["ms"] for r in ranks),
+            "cpu_ms": max(r["cpu_ms"] for r in ranks),
             "mib": max(r["mib"] for r in ranks)}
 
 
@@ -339,10 +348,10 @@ def table_row(case: dict, method: str, r: dict) -> str:
              "ulysses": f"ours ulysses u={ulysses_degree(case['heads'], case['sp'])}"}[method]
     head = f"| {case['row']} | {case['heads']} | {case['sp']} | {label} |"
     if "refused" in r:
-        return f"{head} refused: {r['refused']} | | | | | | |"
+        return f"{head} refused: {r['refused']} | | | | | | | |"
     leaked = "-" if r["leak"] is None else f"{r['leak']:.2e}"
     return (f"{head} {'yes' if r['exact'] else 'NO'} | {r['step_err']:.1e} | {r['logit_err']:.1e} | {leaked} | "
-            f"{r['bytes'] / 1024:.1f} | {r['ms']:.0f} | {r['mib']:.0f} |")
+            f"{r['bytes'] / 1024:.1f} | {r['ms']:.0f} | {r['cpu_ms']:.0f} | {r['mib']:.0f} |")
 
 
 def main(argv=None) -> int:
@@ -355,7 +364,7 @@ def main(argv=None) -> int:
     p.add_argument("--kv-heads", type=int, default=0, help="K/V heads (0: as many as the query heads)")
     p.add_argument("--sp", default="2,4", help="sp = cp sizes (ranks), comma-separated")
     p.add_argument("--tokens", type=int, default=2048, help="tokens per row (a multiple of every sp)")
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps (one row each; the first is not timed)")
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps (one row each; the first is not timed)")
     p.add_argument("--zero", type=int, default=3, choices=(1, 2, 3), help="DeepSpeed ZeRO stage of every sharded run "
                    "(3: ALST's recipe; at 1 and 2 ALST logs and clips a gradient norm sp times too large)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64"), help="float64 needs --zero 1 or 2")
@@ -365,11 +374,16 @@ def main(argv=None) -> int:
     if any(args.tokens % sp for sp in sps):
         p.error(f"--tokens {args.tokens} must be a multiple of every --sp (ALST shards rows into equal chunks)")
     torch.set_num_threads(1)
+    # the ranks' allocator hands every tensor of 64 KiB or more back to the system when it is freed, so that a step's
+    # peak RSS is its own, in a pool's process as in a fresh one (glibc otherwise keeps freed blocks for reuse)
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # what DeepSpeed detects here anyway, without its warning
     t0 = time.perf_counter()
-    print(f"Trainer, tiny Llama (hidden {HIDDEN}, {LAYERS} layers, heads of {HEAD_DIM}, {args.dtype}), one packed row of "
+    print(f"Trainer, tiny Llama ({LAYERS} layers, heads of {HEAD_DIM}, hidden = heads x {HEAD_DIM}, {args.dtype}), one packed row of "
           f"{args.tokens} tokens a step, {args.steps} steps, DeepSpeed ZeRO-{args.zero}, CPU gloo")
-    print("| row | heads | sp | method | exact | step Δ (rel) | logits Δ | leak | KiB/rank/layer | step ms | peak MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| row | heads | sp | method | exact | step Δ (rel) | logits Δ | leak | KiB/rank/layer | step ms | CPU ms | "
+          "peak MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     cases, refusals = [], {}
     pools = {sp: RankPool(sp, timeout=1800) for sp in sps}  # ours: many runs a pool; ALST: fresh ranks a run
     try:
@@ -392,6 +406,7 @@ def main(argv=None) -> int:
                         else:
                             results[method] = judge(pools[sp].run(run_method, case, method), want_steps, scorer, case)
                         print(table_row(case, method, results[method]), flush=True)
+                        print(f"{method} {spec} {h} {sp}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
                     cases.append(results)
     finally:
         for pool in pools.values():
