@@ -290,10 +290,9 @@ def run_method(rank: int, world: int, case: dict, method: str) -> dict:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
-    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed's notes as it loads (the table is the output)
-        import deepspeed  # noqa: F401
     records = {"ms": [], "cpu_ms": [], "bytes": [], "mib": []}
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+    quiet = contextlib.redirect_stdout(io.StringIO())  # DeepSpeed's notes as it sets up (the table is the output)
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), quiet:
         warnings.simplefilter("ignore")
         trainer = build_trainer(case, method, tmp, [_callback(records)])
         trainer.remove_callback(transformers.PrinterCallback)
@@ -314,9 +313,12 @@ def run_method(rank: int, world: int, case: dict, method: str) -> dict:
 
 def reference(case: dict) -> tuple[list, "torch.nn.Module"]:
     """The run without CP (here, one process): its logged (loss, grad norm) and a model to score parameters with."""
+    import transformers
+
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = build_trainer(case, "reference", tmp, [])
+        trainer.remove_callback(transformers.PrinterCallback)
         trainer.train()
     return [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "grad_norm" in e], trainer
 
