@@ -72,3 +72,37 @@ def test_summary_line_counts_and_ratios(bench):
 
 def test_ulysses_degree_is_the_largest_that_splits_heads_and_ranks(bench):
     assert [bench.ulysses_degree(h, sp) for h, sp in [(4, 2), (4, 4), (6, 4), (6, 2), (8, 4), (3, 4)]] == [2, 4, 2, 2, 4, 1]
+
+
+def test_the_attention_meter_counts_the_calls_writes_forward_and_backward_and_nothing_else(bench, tmp_path):
+    with open(tmp_path / "sink", "wb", buffering=0) as sink:
+        class Writes(torch.autograd.Function):  # an attention that sends 1000 bytes forward and 500 backward
+            @staticmethod
+            def forward(ctx, x):
+                sink.write(b"f" * 1000)
+                return x * 2
+
+            @staticmethod
+            def backward(ctx, grad):
+                sink.write(b"b" * 500)
+                return grad * 2
+
+        class After(torch.autograd.Function):  # a later layer that writes in its backward: not the call's
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, grad):
+                sink.write(b"z" * 3000)
+                return grad
+
+        meter = bench.AttentionBytes()
+        attention = meter.wrap(lambda module, q, k, v, mask, **kw: (Writes.apply(q + k + v), None))
+        q, k, v = (torch.randn(4, requires_grad=True) for _ in range(3))
+        out, weights = attention(None, q, k, v, None, dropout=0.0)
+        sink.write(b"x" * 7777)  # between the call and its backward
+        assert weights is None and meter.total == 1000
+        After.apply(out).sum().backward()
+        assert meter.total == 1500
+        assert torch.equal(q.grad, torch.full((4,), 2.0))  # the brackets pass gradients through unchanged
