@@ -369,13 +369,16 @@ def _shard_over_dp(dataloader, dp: int, dp_rank: int, cp: int):
     left as it is).
     """
     from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
-    from transformers.trainer_pt_utils import BatchRebalanceSampler
+    from transformers import trainer_pt_utils
+
+    # transformers' rank-aware sampler (5.2x; older ones, e.g. the 5.16 axolotl pins, have none: nothing to leave)
+    rank_aware = getattr(trainer_pt_utils, "BatchRebalanceSampler", ())
 
     if cp == 1 or dataloader is None:
         return dataloader  # accelerate already shards over the dp replicas
     found = False
     for shard in (getattr(dataloader, "batch_sampler", None), getattr(dataloader, "dataset", None)):
-        if isinstance(shard, BatchSamplerShard) and not isinstance(shard.batch_sampler, BatchRebalanceSampler):
+        if isinstance(shard, BatchSamplerShard) and not isinstance(shard.batch_sampler, rank_aware):
             shard.num_processes, shard.process_index = dp, dp_rank
             shard.even_batches = shard.even_batches and dp > 1  # one replica: every batch as it comes
             found = True
