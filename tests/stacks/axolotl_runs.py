@@ -139,7 +139,7 @@ def leak_worker(rank: int, world: int, output_dir: str, victim: int) -> dict:
     """The plugin's trainer class (axolotl's ``AxolotlTrainer`` under the mixin, cp = world) on one packed row,
     then on the same row with document `victim`'s tokens changed: which targets' losses moved, inside and outside
     that document."""
-    os.environ.update(ENV)
+    os.environ.update(ENV, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     from axolotl.core.training_args import AxolotlTrainingArguments
 

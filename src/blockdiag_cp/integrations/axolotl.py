@@ -134,7 +134,7 @@ def trainer_class(base: type, cp_size: int) -> type:
     from ..trainer import BlockDiagCPMixin
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = _world_size()
         if world != cp_size:
             raise ValueError(
                 f"{PLUGIN} runs with the world size equal to context_parallel_size ({cp_size}), got {world} "
@@ -147,13 +147,22 @@ def trainer_class(base: type, cp_size: int) -> type:
     return cls
 
 
+def _world_size() -> int:
+    """Processes in this run: torch.distributed's world once it is up, else the launcher's ``WORLD_SIZE``."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def _cpu_world() -> None:
     """Launched as several processes on a machine without an accelerator: ``ACCELERATE_USE_CPU`` (what
     ``accelerate launch --cpu`` sets), so the Trainer runs them as one gloo world; axolotl passes no ``use_cpu``,
     and without it each process would train alone."""
     import torch
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+    if _world_size() > 1 and not torch.cuda.is_available():
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")
 
 
