@@ -5,7 +5,7 @@ has not verified are refused by name. Needs axolotl (``pip install -e ".[axolotl
 without it.
 """
 
-import pathlib
+import concurrent.futures
 
 import pytest
 import torch
@@ -17,23 +17,29 @@ from axolotl_runs import PLUGIN, launch, leak_worker, results, with_cp, write_in
 
 from blockdiag_cp.integrations.axolotl import BlockDiagCPPlugin, refusal  # noqa: E402
 
-#: float32 (axolotl loads the model in float32 on CPU): reduction order alone moves losses ~1e-7 and parameters
-#: ~1e-7 relative here; a leak, a lost token or a loss off by the cp factor moves them by 1e-3 and more
-LOSS_TOL, PARAM_TOL = 2e-5, 2e-5
+#: float32 (axolotl loads the model in float32 on CPU): reduction order alone moved losses and grad norms 2e-7 and the
+#: parameters 1.3e-6 (four AdamW steps) here; other batches moved them 1e-3 and the parameters 0.26
+LOSS_TOL, PARAM_TOL = 1e-5, 1e-5
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """axolotl's run without CP (one process), then the plugin's at context_parallel_size 2 (torchrun, gloo)."""
+    """axolotl's run without CP (one process) and the plugin's at context_parallel_size 2 (torchrun, gloo), launched
+    side by side (each prepares its own copy of the data), then what they left."""
     root = tmp_path_factory.mktemp("axolotl")
     cfg = write_inputs(root)
+    plain = {**cfg, "output_dir": str(root / "plain"), "dataset_prepared_path": str(root / "prepared_plain")}
+    cp = with_cp({**cfg, "dataset_prepared_path": str(root / "prepared_cp")}, root / "cp")
+    for name, run_cfg in (("plain", plain), ("cp", cp)):
+        (root / f"{name}.yml").write_text(yaml.safe_dump(run_cfg))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        done = [pool.submit(launch, root / f"{name}.yml", nproc, root / f"{name}.log") for name, nproc in
+                (("plain", 1), ("cp", 2))]
+        for future in done:
+            future.result()
     out = {"start": results(root / "model", history=False)["params"]}
-    for name, nproc, run_cfg in (("plain", 1, {**cfg, "output_dir": str(root / "plain")}),
-                                 ("cp", 2, with_cp(cfg, root / "cp"))):
-        path = root / f"{name}.yml"
-        path.write_text(yaml.safe_dump(run_cfg))
-        launch(path, nproc, root / f"{name}.log")
-        out[name] = results(pathlib.Path(run_cfg["output_dir"]))
+    for name in ("plain", "cp"):
+        out[name] = results(root / name)
         out[name]["log"] = (root / f"{name}.log").read_text()
     return out
 
@@ -41,7 +47,7 @@ def runs(tmp_path_factory) -> dict:
 @pytest.mark.slow
 def test_axolotl_cli_at_cp2_equals_axolotl_without_cp(runs):
     plain, cp = runs["plain"], runs["cp"]
-    assert "BlockDiagCPAxolotlTrainer" not in plain["log"]
+    assert f"Plugin loaded successfully: {PLUGIN}" in cp["log"] and PLUGIN not in plain["log"]
     assert len(cp["steps"]) == len(plain["steps"]) >= 3, (cp["steps"], plain["steps"])  # axolotl sized both runs alike
     for got, want in zip(cp["steps"], plain["steps"]):
         for key in ("loss", "grad_norm"):
