@@ -46,7 +46,9 @@ accelerate shards over ``dp`` processes only. `_shard_over_dp` re-points acceler
 shards (as transformers itself does for its rank-aware sampler): ``num_processes = dp``,
 ``process_index = dp rank``. With one replica, the run without CP does not shard at all,
 so the shards pass batches through (no completion of a short last batch by samples from
-the start, which ``even_batches`` does for several processes). ``even_batches=False``
+the start, which ``even_batches`` does for several processes) and hand each epoch to the
+batch sampler, as accelerate does for an unwrapped one (axolotl's multipack sampler packs
+again per epoch). ``even_batches=False``
 with several replicas and a short last batch would leave replicas with fewer batches
 waiting in the gradient all-reduce (plain DDP hangs the same way): refused.
 
@@ -372,15 +374,18 @@ def _shard_over_dp(dataloader, dp: int, dp_rank: int, cp: int):
     from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
     from transformers import trainer_pt_utils
 
-    rebalance = getattr(trainer_pt_utils, "BatchRebalanceSampler", ())  # () where transformers has none (5.6)
+    # transformers' rank-aware sampler (5.2x; older ones, e.g. the 5.16 axolotl pins, have none: nothing to leave)
+    rank_aware = getattr(trainer_pt_utils, "BatchRebalanceSampler", ())
 
     if cp == 1 or dataloader is None:
         return dataloader  # accelerate already shards over the dp replicas
     found = False
     for shard in (getattr(dataloader, "batch_sampler", None), getattr(dataloader, "dataset", None)):
-        if isinstance(shard, BatchSamplerShard) and not isinstance(shard.batch_sampler, rebalance):
+        if isinstance(shard, BatchSamplerShard) and not isinstance(shard.batch_sampler, rank_aware):
             shard.num_processes, shard.process_index = dp, dp_rank
             shard.even_batches = shard.even_batches and dp > 1  # one replica: every batch as it comes
+            if dp == 1 and hasattr(shard.batch_sampler, "set_epoch"):  # and each epoch reaches the batch sampler, as
+                shard.set_epoch = shard.batch_sampler.set_epoch  # unsharded (axolotl's multipack re-packs per epoch)
             found = True
         elif isinstance(shard, IterableDatasetShard):
             shard.num_processes, shard.process_index = dp, dp_rank

@@ -1,0 +1,222 @@
+"""axolotl under block-diagonal CP: a plugin for the ``plugins:`` list of an axolotl YAML (docs/axolotl.md).
+
+    plugins:
+      - blockdiag_cp.integrations.axolotl.BlockDiagCPPlugin
+    context_parallel_size: 2
+    sample_packing: true
+    attn_implementation: sdpa
+
+    torchrun --nproc-per-node 2 -m axolotl.cli.train config.yml
+
+axolotl's own trainer class (``AxolotlTrainer``) runs with `BlockDiagCPMixin` mixed in: its packed rows
+(``sample_packing``: the multipack sampler's bins, each document's ``position_ids`` restarting at 0) are
+sharded over ``context_parallel_size`` ranks with per-document attention, and the losses, the evaluation
+and the final parameters are those of the same YAML without the plugin and without CP.
+
+Note [context_parallel_size is the mixin's cp_size]
+---------------------------------------------------
+axolotl reads ``context_parallel_size > 1`` as its own sequence parallelism: ring attention over
+flash-attention 2 (ringmaster), under which packed documents attend across each other. The plugin
+reads the value when axolotl registers it (before axolotl validates the YAML), keeps it as the mixin's
+``cp_size`` and sets ``context_parallel_size: 1`` in the YAML's dict, so axolotl's ring attention,
+its parallelism config and its flash-attention requirement never start: only one of the two ever
+shards a row. axolotl then counts every process as a data-parallel replica in ``batch_size``
+(``micro_batch_size x gradient_accumulation_steps x world``, which sizes the run's steps and its
+schedule); `BlockDiagCPPlugin.load_datasets` puts back the ``world / cp`` replicas there are.
+
+The documents the mixin sees are axolotl's: with ``attn_implementation`` sdpa or eager, axolotl drops
+the collator's ``attention_mask`` and its own attention separates the documents where
+``position_ids`` restart; the mixin splits the row at the same places (`resolve_doc_ids`). Options
+that would make the run differ from axolotl's run without CP in ways no test here has checked are
+refused when axolotl registers the plugin, each by name with what to do (`refusal`).
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from typing import Any, Mapping, Optional
+
+from axolotl.integrations.base import BasePlugin
+
+#: the attention settings axolotl's run without CP separates packed documents with (its baseline); under the
+#: plugin every rank attends with blockdiag-cp's per-document kernel instead (`CPConfig`'s kernel)
+ATTENTION = ("sdpa", "eager")
+
+#: axolotl options refused when set (to anything but off, or 1 for the sizes), each with why and what to do
+REFUSED: Mapping[str, str] = types.MappingProxyType({
+    "ring_attn_func": "axolotl's ring attention shards the rows itself (and lets packed documents attend across "
+                      "each other); the plugin shards them: leave it out",
+    "heads_k_stride": "an option of axolotl's ring attention, which the plugin keeps off: leave it out",
+    "sdpa_varlen": "axolotl's varlen SDPA replaces the attention the plugin runs: leave it out",
+    "flash_attention": "the plugin attends with blockdiag-cp's per-document kernel (flash-attn on GPUs where "
+                       "installed, CPConfig(kernel=...)): use attn_implementation: sdpa",
+    "xformers_attention": "see flash_attention: use attn_implementation: sdpa",
+    "flex_attention": "see flash_attention: use attn_implementation: sdpa",
+    "sage_attention": "see flash_attention: use attn_implementation: sdpa",
+    "flash_attn_cross_entropy": "flash-attention's fused loss is not verified under the plugin",
+    "flash_attn_fuse_mlp": "flash-attention's fused MLP is not verified under the plugin",
+    "chunked_cross_entropy": "axolotl's chunked loss does not read the rows' shift_labels the shards need",
+    "use_eaft": "the entropy-adaptive loss (a compute_loss_func) is not verified under the plugin",
+    "rl": "axolotl's preference and RL trainers are not verified under the plugin (the mixin covers TRL's "
+          "DPOTrainer and GRPOTrainer directly: docs/rl.md)",
+    "reward_model": "reward-model trainers are not trainers of language-model rows",
+    "process_reward_model": "reward-model trainers are not trainers of language-model rows",
+    "trainer_cls": "a custom trainer class: mix BlockDiagCPMixin into it yourself (docs/trainer.md)",
+    "pretraining_dataset": "streamed pretraining rows are not verified under the plugin: pre-tokenize the data",
+    "streaming": "streamed datasets are not verified under the plugin",
+    "batch_flattening": "the plugin trains the multipack sampler's rows (sample_packing: true)",
+    "adapter": "LoRA / QLoRA through axolotl is not verified under the plugin yet",
+    "load_in_8bit": "quantized weights are not verified under the plugin",
+    "load_in_4bit": "quantized weights are not verified under the plugin",
+    "deepspeed": "DeepSpeed through axolotl is not verified under the plugin yet (the mixin's ZeRO runs: "
+                 "docs/trainer.md)",
+    "fsdp": "FSDP through axolotl is not verified under the plugin yet",
+    "fsdp_config": "FSDP through axolotl is not verified under the plugin yet",
+    "tensor_parallel_size": "tensor parallelism is not verified under the plugin",
+    "dp_shard_size": "axolotl's sharded data parallelism is not verified under the plugin",
+    "dp_replicate_size": "axolotl's data-parallel mesh is not verified under the plugin",
+    "torch_compile": "torch.compile is not verified under the plugin",
+    "activation_offloading": "axolotl's activation offloading is not verified under the plugin",
+    "neftune_noise_alpha": "NEFTune through axolotl is not verified under the plugin",
+    "tiled_mlp": "axolotl's tiled MLP is not verified under the plugin",
+})
+
+
+def _is_off(name: str, value: Any) -> bool:
+    """Whether option `name` set to `value` leaves its feature off (sizes: 1 is off)."""
+    if name in ("tensor_parallel_size", "dp_shard_size", "dp_replicate_size"):
+        return value in (None, 1)
+    return value is None or value is False or value == "" or value == {} or value == []
+
+
+def refusal(cfg: Mapping[str, Any]) -> Optional[str]:
+    """What in axolotl's YAML (its dict before validation) the plugin refuses, and what to do; None if nothing."""
+    others = [p for p in cfg.get("plugins") or [] if p != PLUGIN]
+    if others:
+        return f"plugins {others} together with {PLUGIN} are not verified: run the plugin alone"
+    for name, why in REFUSED.items():
+        if not _is_off(name, cfg.get(name)):
+            return f"{name}={cfg.get(name)!r} is refused by {PLUGIN}: {why}"
+    checks = (
+        ("sample_packing", cfg.get("sample_packing") is True,
+         "set sample_packing: true (the plugin shards axolotl's packed rows; padded rows are not verified)"),
+        ("eval_sample_packing", cfg.get("eval_sample_packing") is not False,
+         "leave eval_sample_packing unset or true (evaluation on packed rows)"),
+        ("multipack_real_batches", cfg.get("multipack_real_batches") is not False,
+         "leave multipack_real_batches unset (micro_batch_size rows of sequence_len tokens per step)"),
+        ("attn_implementation", cfg.get("attn_implementation") in ATTENTION,
+         f"set attn_implementation to one of {ATTENTION}: axolotl's run without CP then separates packed documents "
+         "where position_ids restart, as the plugin does; under the plugin every rank attends with blockdiag-cp's "
+         "per-document kernel whichever is set"),
+        ("gradient_checkpointing", cfg.get("gradient_checkpointing") in (None, False, True),
+         "gradient_checkpointing: true or false (axolotl's offloading checkpoints are not verified)"),
+    )
+    for name, ok, what in checks:
+        if not ok:
+            return f"{name}={cfg.get(name)!r} is refused by {PLUGIN}: {what}"
+    return None
+
+
+def context_parallel_size(cfg: Mapping[str, Any]) -> int:
+    """The YAML's ``context_parallel_size`` (or its deprecated spelling ``sequence_parallel_degree``), 1 if unset."""
+    cp = cfg.get("context_parallel_size")
+    cp = cfg.get("sequence_parallel_degree") if cp is None else cp
+    cp = 1 if cp is None else cp
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"context_parallel_size must be an int >= 1, got {cp!r}")
+    return cp
+
+
+def trainer_class(base: type, cp_size: int) -> type:
+    """``base`` (axolotl's trainer class) with `BlockDiagCPMixin` mixed in and ``cp_size`` bound: axolotl builds
+    the trainer with its own arguments only."""
+    from ..trainer import BlockDiagCPMixin
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        world = _world_size()
+        if world != cp_size:
+            raise ValueError(
+                f"{PLUGIN} runs with the world size equal to context_parallel_size ({cp_size}), got {world} "
+                f"processes: data parallelism next to CP through axolotl is not verified yet; launch "
+                f"--nproc-per-node {cp_size}, or set context_parallel_size: {world}"
+            )
+        super(cls, self).__init__(*args, cp_size=cp_size, **kwargs)
+
+    cls = type(f"BlockDiagCP{base.__name__}", (BlockDiagCPMixin, base), {"__init__": __init__})
+    return cls
+
+
+def _world_size() -> int:
+    """Processes in this run: torch.distributed's world once it is up, else the launcher's ``WORLD_SIZE``."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _cpu_world() -> None:
+    """Launched as several processes on a machine without an accelerator: ``ACCELERATE_USE_CPU`` (what
+    ``accelerate launch --cpu`` sets), so the Trainer runs them as one gloo world; axolotl passes no ``use_cpu``,
+    and without it each process would train alone."""
+    import torch
+
+    if _world_size() > 1 and not torch.cuda.is_available():
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+
+
+def _on_cpu_world(cfg: Any) -> bool:
+    """Whether axolotl runs several processes on CPU (a gloo world: the tests, a laptop)."""
+    return int(cfg.world_size or 1) > 1 and str(cfg.device) == "cpu"
+
+
+class BlockDiagCPPlugin(BasePlugin):
+    """axolotl's trainer under `BlockDiagCPMixin`, ``context_parallel_size`` as its ``cp_size`` (module docstring).
+
+    Attributes:
+        cp_size: the YAML's ``context_parallel_size``, read when axolotl registers the plugin.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cp_size = 1
+
+    def register(self, cfg: dict) -> None:
+        """The YAML before axolotl validates it: refuse what is not verified, take ``context_parallel_size`` as the
+        mixin's ``cp_size`` and turn axolotl's own sequence parallelism off (Note [context_parallel_size is the
+        mixin's cp_size])."""
+        problem = refusal(cfg)
+        if problem:
+            raise ValueError(problem)
+        self.cp_size = context_parallel_size(cfg)
+        _cpu_world()
+        cfg["context_parallel_size"] = 1
+        cfg.pop("sequence_parallel_degree", None)
+
+    def load_datasets(self, cfg: Any, preprocess: bool = False) -> None:
+        """After axolotl normalized the YAML, before it sizes the run from its datasets: ``batch_size`` counts the
+        ``world / cp`` data-parallel replicas, not every process (the Note); on CPU (gloo) each process's model stays
+        on the CPU (axolotl places it on the accelerator of its local rank, which a CPU has not). Returns None:
+        axolotl loads the datasets itself."""
+        world = int(cfg.world_size or 1)
+        cfg.batch_size = cfg.micro_batch_size * cfg.gradient_accumulation_steps * max(1, world // self.cp_size)
+        if _on_cpu_world(cfg):
+            cfg.device_map = {"": "cpu"}
+
+    def get_trainer_cls(self, cfg: Any) -> type:
+        """axolotl's causal trainer with the mixin mixed in (`trainer_class`)."""
+        from axolotl.core.trainers import AxolotlTrainer
+
+        return trainer_class(AxolotlTrainer, self.cp_size)
+
+    def post_trainer_create(self, cfg: Any, trainer: Any) -> None:
+        """Refuse a trainer built without the mixin (another way in chose the class)."""
+        from ..trainer import BlockDiagCPMixin
+
+        if not isinstance(trainer, BlockDiagCPMixin):
+            raise ValueError(f"{PLUGIN}: axolotl built {type(trainer).__name__}, not the plugin's trainer class")
+
+
+#: the name the YAML's ``plugins:`` list gives the plugin
+PLUGIN = f"{__name__}.{BlockDiagCPPlugin.__name__}"
