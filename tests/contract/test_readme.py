@@ -77,6 +77,8 @@ def resolve_dotted(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(set(DOTTED_RE.findall(README))))
 def test_named_module_paths_import(name):
     pytest.importorskip("transformers")
+    if name.startswith("blockdiag_cp.integrations."):  # a stack's way in imports the stack (its own venv)
+        pytest.importorskip(name.split(".")[2].removesuffix("_cpu"))
     resolve_dotted(name)
 
 
