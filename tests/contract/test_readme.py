@@ -22,8 +22,9 @@ OWN_LOOP = ROOT / "examples" / "own_loop.py"
 PATH_RE = re.compile(r"(?<![\w./-])((?:examples|benchmarks|docs|tests|src)/[\w./-]*\w\.(?:py|md|sh))")
 #: markdown link targets inside the repository (anchors dropped)
 LINK_RE = re.compile(r"\]\((?!https?://)([^)#\s]+)(?:#[^)\s]*)?\)")
-#: dotted names under the package, not preceded by another dotted name (nemo_automodel....blockdiag_cp.batch)
-DOTTED_RE = re.compile(r"(?<![\w./])blockdiag_cp(?:\.[A-Za-z_]\w*)+")
+#: dotted names under the package, not preceded by another dotted name (nemo_automodel....blockdiag_cp.batch) nor
+#: by a dash (a stack's command-line key: torchtitan's --blockdiag_cp.cp_degree)
+DOTTED_RE = re.compile(r"(?<![\w./-])blockdiag_cp(?:\.[A-Za-z_]\w*)+")
 
 
 def code_blocks(text: str, lang: str) -> list[str]:
