@@ -17,7 +17,11 @@ install() {  # install <stack>: venv, torch pinned, the extra (and whatever the 
     [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv" || return 1
     echo "$TORCH" > "$venv/torch-pin.txt"
     "$venv/bin/pip" install --quiet "$TORCH" || return 1
-    "$venv/bin/pip" install --quiet -c "$venv/torch-pin.txt" -e ".[$stack]" pytest hypothesis || return 1
+    local try
+    for try in 1 2; do  # a second try where the registry failed the first
+        "$venv/bin/pip" install --quiet -c "$venv/torch-pin.txt" -e ".[$stack]" pytest hypothesis && break
+        [ "$try" -eq 2 ] && return 1
+    done
     if [ "$stack" = llamafactory ]; then
         # PyPI's torchvision / torchaudio are CUDA builds that do not load beside the CPU torch; LLaMA-Factory's text
         # SFT path never calls them (docs/llamafactory.md): torchvision out, torchaudio without its native library
