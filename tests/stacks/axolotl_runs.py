@@ -21,15 +21,31 @@ ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "AXOLOTL_DO_NOT_TRACK"
        "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def tiny_llama(dtype: torch.dtype = torch.float32):
-    """A 2-layer Llama with random weights (GQA: 4 query heads, 2 key/value heads)."""
+#: the model families the tests train (the plugin knows none of them by name)
+FAMILIES = ("llama", "qwen3")
+
+
+def tiny_model(family: str = "llama", dtype: torch.dtype = torch.float32):
+    """A 2-layer causal LM of `family` with random weights (GQA: 4 query heads, 2 key/value heads; Qwen3: q/k norms
+    and its own head size)."""
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                      bos_token_id=None, eos_token_id=VOCAB - 1, pad_token_id=VOCAB - 1)
-    return transformers.LlamaForCausalLM(config).to(dtype)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=VOCAB - 1,
+                  pad_token_id=VOCAB - 1)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    elif family == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=16, tie_word_embeddings=False, **common))
+    else:
+        raise ValueError(f"unknown family {family!r}: one of {FAMILIES}")
+    return model.to(dtype)
+
+
+def tiny_llama(dtype: torch.dtype = torch.float32):
+    """A 2-layer Llama with random weights (GQA: 4 query heads, 2 key/value heads)."""
+    return tiny_model("llama", dtype)
 
 
 def byte_tokenizer():
@@ -53,9 +69,10 @@ def documents(count: int, seed: int) -> list[dict]:
     return out
 
 
-def write_inputs(root: pathlib.Path) -> dict:
-    """The model, tokenizer and data under `root`; returns the YAML (a dict) of axolotl's run without CP."""
-    tiny_llama().save_pretrained(root / "model")
+def write_inputs(root: pathlib.Path, family: str = "llama") -> dict:
+    """The model (of `family`), tokenizer and data under `root`; returns the YAML (a dict) of axolotl's run without
+    CP."""
+    tiny_model(family).save_pretrained(root / "model")
     byte_tokenizer().save_pretrained(root / "model")
     for name, count, seed in (("train", 72, 0), ("eval", 12, 1)):
         with open(root / f"{name}.jsonl", "w") as f:
@@ -71,9 +88,63 @@ def write_inputs(root: pathlib.Path) -> dict:
     )
 
 
-def with_cp(cfg: dict, output_dir: pathlib.Path, cp: int = 2) -> dict:
+#: LoRA on every attention and MLP projection, the embeddings and the head trained whole beside it
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_SAVED = ["embed_tokens", "lm_head"]
+
+
+def lora(root: pathlib.Path, family: str = "llama") -> dict:
+    """The YAML lines of LoRA (`LORA_TARGETS`, `LORA_SAVED`), starting from an adapter written under `root`.
+
+    axolotl draws new LoRA weights from torch's global RNG, which no setting seeds before the model loads (torch
+    seeds it at random per process: two runs of one YAML start from different adapters, CP or not); so both runs
+    start from this adapter (``lora_model_dir``, axolotl's way to continue training one), its B matrices random
+    too, so the first step's loss already goes through them. axolotl's fused LoRA kernels (CUDA / triton, on by
+    default) are off, as they must be on any CPU."""
+    import peft
+
+    model = tiny_model(family)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS,
+                             modules_to_save=LORA_SAVED)
+    model = peft.get_peft_model(model, config)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.05)
+    model.save_pretrained(root / "adapter")
+    return dict(adapter="lora", lora_model_dir=str(root / "adapter"), lora_r=4, lora_alpha=8, lora_dropout=0.0,
+                lora_target_modules=LORA_TARGETS, lora_modules_to_save=LORA_SAVED, lora_mlp_kernel=False,
+                lora_qkv_kernel=False, lora_o_kernel=False, lora_embedding_kernel=False)
+
+
+#: axolotl's own DeepSpeed configs (``deepspeed_configs/zero2.json`` and ``zero3.json`` of its repository, unchanged
+#: from 2024-03 and 2025-07 to 0.19.0; ``axolotl fetch deepspeed_configs`` downloads them): ZeRO-2 offloads the
+#: optimizer to the CPU
+_FP16_AUTO = {"enabled": "auto", "auto_cast": False, "loss_scale": 0, "initial_scale_power": 32,
+              "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+_BATCH_AUTO = {"gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
+               "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False}
+ZERO2 = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "contiguous_gradients": True,
+                               "overlap_comm": True},
+         "bf16": {"enabled": "auto"}, "fp16": _FP16_AUTO, **_BATCH_AUTO}
+ZERO3 = {"zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 0,
+                               "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                               "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 0,
+                               "stage3_max_reuse_distance": 0, "stage3_gather_16bit_weights_on_model_save": True},
+         "bf16": {"enabled": "auto"}, "fp16": _FP16_AUTO, **_BATCH_AUTO}
+
+
+def deepspeed(root: pathlib.Path, config: dict, name: str) -> dict:
+    """The YAML line of DeepSpeed: `config` written as ``root / name`` (a JSON file, as axolotl's are used)."""
+    path = root / name
+    path.write_text(json.dumps(config, indent=2))
+    return {"deepspeed": str(path)}
+
+
+def with_cp(cfg: dict, output_dir: pathlib.Path, cp: int = 2, plugin: str = PLUGIN) -> dict:
     """`cfg` under the plugin at ``context_parallel_size: cp``."""
-    return {**cfg, "plugins": [PLUGIN], "context_parallel_size": cp, "output_dir": str(output_dir)}
+    return {**cfg, "plugins": [plugin], "context_parallel_size": cp, "output_dir": str(output_dir)}
 
 
 def launch(yaml_path: pathlib.Path, nproc: int, log: pathlib.Path, timeout: float = 900.0) -> None:
@@ -84,7 +155,10 @@ def launch(yaml_path: pathlib.Path, nproc: int, log: pathlib.Path, timeout: floa
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "axolotl.cli.train", str(yaml_path)]
-    env = {**os.environ, **ENV, "PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+    here = str(pathlib.Path(__file__).parent)  # axolotl_plugins (the CPU stand-ins) importable by axolotl
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, **ENV, "PYTHONPATH": path,
+           "PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
     with open(log, "w") as out:
         code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
     if code:
@@ -93,17 +167,19 @@ def launch(yaml_path: pathlib.Path, nproc: int, log: pathlib.Path, timeout: floa
 
 def results(output_dir: pathlib.Path, history: bool = True) -> dict:
     """What a finished run left: the logged steps and evaluations (the last checkpoint's trainer_state.json, full
-    precision) and the final parameters (the saved model)."""
+    precision) and the final parameters (the saved model, or the saved adapter: its LoRA weights and the modules
+    it trains whole)."""
     from safetensors.torch import load_file
 
-    params = load_file(str(output_dir / "model.safetensors"))
+    saved = output_dir / "model.safetensors"
+    params = load_file(str(saved if saved.exists() else output_dir / "adapter_model.safetensors"))
+    flat = torch.cat([params[k].double().reshape(-1) for k in sorted(params)])
     if not history:
-        return {"params": torch.cat([params[k].double().reshape(-1) for k in sorted(params)])}
+        return {"params": flat}
     checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     history = json.loads((checkpoints[-1] / "trainer_state.json").read_text())["log_history"]
     return {"steps": [e for e in history if "loss" in e and "train_loss" not in e],
-            "evals": [e for e in history if "eval_loss" in e],
-            "params": torch.cat([params[k].double().reshape(-1) for k in sorted(params)])}
+            "evals": [e for e in history if "eval_loss" in e], "params": flat, "names": sorted(params)}
 
 
 # -- the leak probe (on gloo ranks: blockdiag_cp.testing.spawn) ------------------------------------------------------
@@ -146,7 +222,7 @@ def leak_worker(rank: int, world: int, output_dir: str, victim: int) -> dict:
     from blockdiag_cp.integrations.axolotl import BlockDiagCPPlugin
 
     plugin = BlockDiagCPPlugin()
-    plugin.register({"plugins": [PLUGIN], "context_parallel_size": world, "sample_packing": True,
+    plugin.register({"plugins": [plugin], "context_parallel_size": world, "sample_packing": True,
                      "attn_implementation": "sdpa"})
     args = AxolotlTrainingArguments(output_dir=output_dir, sample_packing=True, use_cpu=True, report_to="none",
                                     per_device_train_batch_size=1, max_steps=1)

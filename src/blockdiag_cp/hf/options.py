@@ -105,7 +105,6 @@ _DEEPSPEED_UNVERIFIED = types.MappingProxyType({
     "sequence_parallel_size": "DeepSpeed's own sequence parallelism (Ulysses): use the mixin's cp_size",
     "tensor_parallel": "DeepSpeed's tensor parallelism (AutoTP)",
     "communication_data_type": "reductions in another dtype than the gradients'",
-    "offload_optimizer": "ZeRO-Offload of the optimizer",
     "offload_param": "ZeRO-Offload of the parameters",
     "zero_quantized_weights": "ZeRO++ quantized weights",
     "zero_quantized_gradients": "ZeRO++ quantized gradients",
