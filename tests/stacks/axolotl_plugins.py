@@ -16,9 +16,11 @@ accelerate 1.13 skips on CPU:
   that state (``accelerator_config.use_configured_state``: transformers would otherwise start a new one without a
   backend, which counts one process; `KeepConfiguredState`: axolotl's trainer reads that option after transformers
   popped it from the arguments, and resets the state).
-- FSDP2: accelerate drops its FSDP plugin on CPU; ``trainer_runs.CPUStandInForAccelerateFSDP2`` (the Trainer tests'
-  stand-in, design.md section 5) puts it back after the trainer created its accelerator, so accelerate's own FSDP2
-  preparation (``fully_shard`` over the world) runs as on GPUs.
+- FSDP2: axolotl builds accelerate's ``ParallelismConfig`` device mesh for ``"cuda"`` by name while it loads the model
+  (`on_cpu`: the same mesh on the CPU), and accelerate drops its FSDP plugin on CPU;
+  ``trainer_runs.CPUStandInForAccelerateFSDP2`` (the Trainer tests' stand-in, design.md section 5) puts it back after
+  the trainer created its accelerator, so accelerate's own FSDP2 preparation (``fully_shard`` over the world) runs as
+  on GPUs.
 """
 
 from __future__ import annotations
@@ -27,21 +29,41 @@ import os
 from typing import Any
 
 from axolotl.integrations.base import BasePlugin
+from transformers import TrainerCallback
 
 from blockdiag_cp.integrations.axolotl import BlockDiagCPPlugin, cpu_world, keep_on_cpu
 
 
 def stand_in_for_gpu_world(cfg: dict) -> None:
-    """At registration (before axolotl sets up DeepSpeed): accelerate's state over gloo for DeepSpeed (module
-    docstring)."""
+    """At registration (before axolotl sets up DeepSpeed or loads the model): accelerate's state over gloo for
+    DeepSpeed, its parallelism meshes on the CPU for FSDP (module docstring)."""
     import torch
 
-    if cfg.get("deepspeed") and not torch.cuda.is_available():
+    if torch.cuda.is_available():
+        return
+    if cfg.get("fsdp_config") or cfg.get("fsdp"):
+        from accelerate.parallelism_config import ParallelismConfig
+
+        build = ParallelismConfig.build_device_mesh
+        if not getattr(build, "on_cpu", False):
+            ParallelismConfig.build_device_mesh = on_cpu(build)
+    if cfg.get("deepspeed"):
         from accelerate import PartialState
 
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
         PartialState(backend="gloo")
         cfg["accelerator_config"] = {**(cfg.get("accelerator_config") or {}), "use_configured_state": True}
+
+
+def on_cpu(build_device_mesh: Any) -> Any:
+    """accelerate's ``ParallelismConfig.build_device_mesh`` building the mesh axolotl asks for on ``"cuda"`` on the
+    CPU (module docstring)."""
+
+    def build(self: Any, device_type: str) -> Any:
+        return build_device_mesh(self, "cpu" if device_type == "cuda" else device_type)
+
+    build.on_cpu = True
+    return build
 
 
 class KeepConfiguredState:
@@ -70,6 +92,24 @@ def stand_in_trainer_class(base: type, cfg: Any) -> type:
     return base
 
 
+class WrapperReport(TrainerCallback):
+    """Prints, after the first optimizer step, what trained the model (``trainer_runs.wrapper_of``: DDP, FSDP2's
+    module, DeepSpeed's engine and its ZeRO stage), for the tests to read from the log."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        from trainer_runs import wrapper_of
+
+        if state.global_step == 1 and state.is_world_process_zero:
+            print(f"{REPORT}{wrapper_of(self.trainer)}", flush=True)
+
+
+#: the line `WrapperReport` prints
+REPORT = "axolotl test run trained by: "
+
+
 class CPUWorldPlugin(BasePlugin):
     """axolotl's run without CP on a CPU gloo world (module docstring)."""
 
@@ -86,6 +126,9 @@ class CPUWorldPlugin(BasePlugin):
         cls = stand_in_trainer_class(AxolotlTrainer, cfg)
         return None if cls is AxolotlTrainer else cls  # None: axolotl picks its own class
 
+    def add_callbacks_post_trainer(self, cfg: Any, trainer: Any) -> list:
+        return [WrapperReport(trainer)]
+
 
 class CPUBlockDiagCPPlugin(BlockDiagCPPlugin):
     """`BlockDiagCPPlugin` with the CPU stand-ins (module docstring)."""
@@ -96,3 +139,6 @@ class CPUBlockDiagCPPlugin(BlockDiagCPPlugin):
 
     def get_trainer_cls(self, cfg: Any) -> type:
         return stand_in_trainer_class(super().get_trainer_cls(cfg), cfg)
+
+    def add_callbacks_post_trainer(self, cfg: Any, trainer: Any) -> list:
+        return [WrapperReport(trainer)]

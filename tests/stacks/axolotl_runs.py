@@ -25,15 +25,15 @@ ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "AXOLOTL_DO_NOT_TRACK"
 FAMILIES = ("llama", "qwen3")
 
 
-def tiny_model(family: str = "llama", dtype: torch.dtype = torch.float32):
+def tiny_model(family: str = "llama", dtype: torch.dtype = torch.float32, hidden: int = 32):
     """A 2-layer causal LM of `family` with random weights (GQA: 4 query heads, 2 key/value heads; Qwen3: q/k norms
-    and its own head size)."""
+    and its own head size), `hidden` wide."""
     import transformers
 
     torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=VOCAB - 1,
-                  pad_token_id=VOCAB - 1)
+    common = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None,
+                  eos_token_id=VOCAB - 1, pad_token_id=VOCAB - 1)
     if family == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     elif family == "qwen3":
@@ -41,11 +41,6 @@ def tiny_model(family: str = "llama", dtype: torch.dtype = torch.float32):
     else:
         raise ValueError(f"unknown family {family!r}: one of {FAMILIES}")
     return model.to(dtype)
-
-
-def tiny_llama(dtype: torch.dtype = torch.float32):
-    """A 2-layer Llama with random weights (GQA: 4 query heads, 2 key/value heads)."""
-    return tiny_model("llama", dtype)
 
 
 def byte_tokenizer():
@@ -69,10 +64,10 @@ def documents(count: int, seed: int) -> list[dict]:
     return out
 
 
-def write_inputs(root: pathlib.Path, family: str = "llama") -> dict:
-    """The model (of `family`), tokenizer and data under `root`; returns the YAML (a dict) of axolotl's run without
-    CP."""
-    tiny_model(family).save_pretrained(root / "model")
+def write_inputs(root: pathlib.Path, family: str = "llama", hidden: int = 32) -> dict:
+    """The model (of `family`, `hidden` wide), tokenizer and data under `root`; returns the YAML (a dict) of
+    axolotl's run without CP."""
+    tiny_model(family, hidden=hidden).save_pretrained(root / "model")
     byte_tokenizer().save_pretrained(root / "model")
     for name, count, seed in (("train", 72, 0), ("eval", 12, 1)):
         with open(root / f"{name}.jsonl", "w") as f:
@@ -93,8 +88,9 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 LORA_SAVED = ["embed_tokens", "lm_head"]
 
 
-def lora(root: pathlib.Path, family: str = "llama") -> dict:
-    """The YAML lines of LoRA (`LORA_TARGETS`, `LORA_SAVED`), starting from an adapter written under `root`.
+def lora(root: pathlib.Path, family: str = "llama", hidden: int = 32, saved: tuple = tuple(LORA_SAVED)) -> dict:
+    """The YAML lines of LoRA (`LORA_TARGETS`, and the modules in `saved` trained whole), starting from an adapter
+    written under `root`.
 
     axolotl draws new LoRA weights from torch's global RNG, which no setting seeds before the model loads (torch
     seeds it at random per process: two runs of one YAML start from different adapters, CP or not); so both runs
@@ -103,9 +99,9 @@ def lora(root: pathlib.Path, family: str = "llama") -> dict:
     default) are off, as they must be on any CPU."""
     import peft
 
-    model = tiny_model(family)
+    model = tiny_model(family, hidden=hidden)
     config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS,
-                             modules_to_save=LORA_SAVED)
+                             modules_to_save=list(saved) or None)
     model = peft.get_peft_model(model, config)
     torch.manual_seed(1)
     with torch.no_grad():
@@ -114,7 +110,7 @@ def lora(root: pathlib.Path, family: str = "llama") -> dict:
                 param.normal_(0.0, 0.05)
     model.save_pretrained(root / "adapter")
     return dict(adapter="lora", lora_model_dir=str(root / "adapter"), lora_r=4, lora_alpha=8, lora_dropout=0.0,
-                lora_target_modules=LORA_TARGETS, lora_modules_to_save=LORA_SAVED, lora_mlp_kernel=False,
+                lora_target_modules=LORA_TARGETS, lora_modules_to_save=list(saved) or None, lora_mlp_kernel=False,
                 lora_qkv_kernel=False, lora_o_kernel=False, lora_embedding_kernel=False)
 
 
@@ -175,7 +171,7 @@ def results(output_dir: pathlib.Path, history: bool = True) -> dict:
     params = load_file(str(saved if saved.exists() else output_dir / "adapter_model.safetensors"))
     flat = torch.cat([params[k].double().reshape(-1) for k in sorted(params)])
     if not history:
-        return {"params": flat}
+        return {"params": flat, "names": sorted(params)}
     checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     history = json.loads((checkpoints[-1] / "trainer_state.json").read_text())["log_history"]
     return {"steps": [e for e in history if "loss" in e and "train_loss" not in e],
@@ -211,22 +207,31 @@ def per_token_losses(trainer, batch: dict) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(full, targets, ignore_index=-100, reduction="none")
 
 
-def leak_worker(rank: int, world: int, output_dir: str, victim: int) -> dict:
+def leak_worker(rank: int, world: int, output_dir: str, victim: int, adapter: str) -> dict:
     """The plugin's trainer class (axolotl's ``AxolotlTrainer`` under the mixin, cp = world) on one packed row,
     then on the same row with document `victim`'s tokens changed: which targets' losses moved, inside and outside
-    that document."""
+    that document; ``"full"``: a Llama, ``"lora"``: a Qwen3 under the LoRA adapter saved in `adapter` (its
+    embeddings and head trained whole beside it)."""
     os.environ.update(ENV, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
+    import peft
+
+    models = {"full": tiny_model("llama", torch.float64),
+              "lora": peft.PeftModel.from_pretrained(tiny_model("qwen3", torch.float64), adapter, is_trainable=True)}
+    return {name: _leak_probe(model, world, output_dir, victim) for name, model in models.items()}
+
+
+def _leak_probe(model: torch.nn.Module, world: int, output_dir: str, victim: int) -> dict:
     from axolotl.core.training_args import AxolotlTrainingArguments
 
     from blockdiag_cp.integrations.axolotl import BlockDiagCPPlugin
 
     plugin = BlockDiagCPPlugin()
-    plugin.register({"plugins": [plugin], "context_parallel_size": world, "sample_packing": True,
+    plugin.register({"plugins": [PLUGIN], "context_parallel_size": world, "sample_packing": True,
                      "attn_implementation": "sdpa"})
     args = AxolotlTrainingArguments(output_dir=output_dir, sample_packing=True, use_cpu=True, report_to="none",
                                     per_device_train_batch_size=1, max_steps=1)
-    trainer = plugin.get_trainer_cls(None)(model=tiny_llama(torch.float64), args=args)
+    trainer = plugin.get_trainer_cls(None)(model=model, args=args)
     docs = documents(6, seed=3)
     edited = [dict(d) for d in docs]
     ids = [(t * 7 + 3) % 256 for t in docs[victim]["input_ids"]]
@@ -239,4 +244,5 @@ def leak_worker(rank: int, world: int, output_dir: str, victim: int) -> dict:
     changed = (before - after).abs() > 1e-12
     return {"changed_inside": int((changed & inside).sum()), "changed_elsewhere": int((changed & ~inside).sum()),
             "max_elsewhere": float((before - after)[~inside].abs().max()), "targets": int((before > 0).sum()),
-            "keys": sorted(packed_row(docs)), "trainer": type(trainer).__name__}
+            "keys": sorted(packed_row(docs)), "trainer": type(trainer).__name__,
+            "lora_layers": sum("lora_B" in name for name, _ in model.named_parameters())}

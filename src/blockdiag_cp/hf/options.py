@@ -168,7 +168,7 @@ _FSDP_VERIFIED = types.MappingProxyType({
     "xla": lambda v: str(v).lower() == "false",
     "xla_fsdp_v2": lambda v: str(v).lower() == "false",
     "xla_fsdp_grad_ckpt": lambda v: str(v).lower() == "false",
-    "activation_checkpointing": lambda v: str(v).lower() == "false",
+    "activation_checkpointing": lambda v: True,  # accelerate's checkpoint wrapper re-runs each layer in its backward
     "reshard_after_forward": lambda v: True,
     "state_dict_type": lambda v: str(v).upper().split(".")[-1] in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"),
     "auto_wrap_policy": lambda v: True,  # where fully_shard cuts the model: not what it computes
@@ -176,6 +176,14 @@ _FSDP_VERIFIED = types.MappingProxyType({
     "min_num_params": lambda v: True,
     "cpu_ram_efficient_loading": lambda v: True,
     "sync_module_states": lambda v: True,
+    # axolotl's spellings (its fsdp_config goes to the Trainer as it is): offload_params is its cpu_offload; FSDP2
+    # keeps the original parameters whatever use_orig_params says; the pinned memory serves offloading only; and
+    # final_state_dict_type is how it saves the model at the end
+    "offload_params": lambda v: str(v).lower() in ("false", "none"),
+    "use_orig_params": lambda v: True,
+    "cpu_offload_pin_memory": lambda v: True,
+    "final_state_dict_type": lambda v: v is None or str(v).upper().split(".")[-1] in ("FULL_STATE_DICT",
+                                                                                      "SHARDED_STATE_DICT"),
 })
 
 
