@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole device check in one call (about 6 minutes on one H200, plus torchtitan where .whl/ holds it): the CUDA tests,
+# The whole device check in one call (about 6 minutes on one H200, plus torchtitan where .whl/ holds it, and axolotl's
+# QLoRA where axolotl and 2 GPUs are present): the CUDA tests,
 # benchmarks/gpu_check.py, then FSDP2 through the Trainer (benchmarks/gpu_fsdp2_trainer.py). Run from the
 # repository root; logs go to $OUT (or ./gpu_out).
 # The project runs from src/ on PYTHONPATH: nothing is installed.
@@ -28,4 +29,10 @@ timeout "${FSDP2_TIMEOUT:-180}" torchrun --standalone --nproc-per-node 1 benchma
 if [ -d .whl ] && ls .whl/torchtitan-*.whl >/dev/null 2>&1; then
     timeout "${TORCHTITAN_TIMEOUT:-300}" python3 benchmarks/gpu_torchtitan.py --wheels .whl \
         --out "$out/gpu_torchtitan.json" 2>&1 | tee "$out/gpu_torchtitan.log"
+fi
+# axolotl's QLoRA under BlockDiagCPPlugin (issue #52; refused on CPU, docs/axolotl.md): where axolotl is installed and
+# 2 GPUs are visible, cp 2 against axolotl's single-GPU run of the same YAML
+if python3 -c "import sys, torch, axolotl; sys.exit(torch.cuda.device_count() < 2)" 2>/dev/null; then
+    PYTHONPATH=$PWD/src:$PWD/tests:$PWD/tests/stacks timeout "${AXOLOTL_TIMEOUT:-600}" python3 -m pytest -q -rs \
+        -p no:cacheprovider -o addopts="" tests/stacks/test_axolotl.py -k qlora_on_gpus 2>&1 | tee "$out/axolotl_qlora.log"
 fi

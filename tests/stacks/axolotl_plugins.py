@@ -5,6 +5,8 @@
   processes neither find a device nor form one world; the plugin sets what ``accelerate launch --cpu`` sets and keeps
   the model on the CPU, as `BlockDiagCPPlugin` does itself on CPU (the same functions).
 - ``CPUBlockDiagCPPlugin`` is `BlockDiagCPPlugin` with the stand-ins below and nothing else.
+- ``QLoRAProbePlugin`` is ``CPUBlockDiagCPPlugin`` with the plugin's refusal of QLoRA lifted, for the GPU check that
+  measures QLoRA under the plugin (``test_qlora_on_gpus_against_axolotl_without_cp``, benchmarks/gpu_session.sh).
 
 The stand-ins (`stand_in_for_gpu_world`, `stand_in_trainer_class`), each for one step of axolotl's GPU path that
 accelerate 1.13 skips on CPU:
@@ -12,10 +14,14 @@ accelerate 1.13 skips on CPU:
 - DeepSpeed: accelerate starts DeepSpeed's world only on an accelerator (NCCL); on a CPU state it turns DeepSpeed off,
   and without one it counts one process. Here accelerate's state is started first over gloo with
   ``ACCELERATE_USE_DEEPSPEED`` (what axolotl sets a moment later), so DeepSpeed's communication joins that world
-  (axolotl's single-process DeepSpeed set-up, which starts NCCL itself, then finds it started), and the trainer uses
+  (axolotl's single-process DeepSpeed set-up, which starts NCCL itself, then finds it started; a single process
+  launched without torchrun gets the one-process world's variables axolotl itself sets on one GPU), and the trainer uses
   that state (``accelerator_config.use_configured_state``: transformers would otherwise start a new one without a
   backend, which counts one process; `KeepConfiguredState`: axolotl's trainer reads that option after transformers
   popped it from the arguments, and resets the state).
+- Resuming: on a CPU world accelerate names each process's device ``cpu:<local rank>`` (``cuda:<local rank>`` on GPUs),
+  and transformers 5.16 loads the optimizer's checkpoint with that device as ``map_location``, which ``torch.load``
+  cannot map to (`LoadOnCPU`: ``cpu`` while it loads).
 - FSDP2: axolotl builds accelerate's ``ParallelismConfig`` device mesh for ``"cuda"`` by name while it loads the model
   (`on_cpu`: the same mesh on the CPU), and accelerate drops its FSDP plugin on CPU;
   ``trainer_runs.CPUStandInForAccelerateFSDP2`` (the Trainer tests' stand-in, design.md section 5) puts it back after
@@ -51,8 +57,20 @@ def stand_in_for_gpu_world(cfg: dict) -> None:
         from accelerate import PartialState
 
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        if "LOCAL_RANK" not in os.environ:  # one process, no launcher
+            os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(free_port()))
         PartialState(backend="gloo")
         cfg["accelerator_config"] = {**(cfg.get("accelerator_config") or {}), "use_configured_state": True}
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (launches run side by side)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def on_cpu(build_device_mesh: Any) -> Any:
@@ -66,6 +84,23 @@ def on_cpu(build_device_mesh: Any) -> Any:
     return build
 
 
+class LoadOnCPU:
+    """Mixed in before axolotl's trainer on CPU: the optimizer's checkpoint loaded onto ``cpu``, not ``cpu:<local
+    rank>`` (module docstring)."""
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Any) -> Any:
+        import torch
+
+        device = self.args.device
+        if device.type != "cpu" or device.index is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        self.args.__dict__["_setup_devices"] = torch.device("cpu")  # the arguments' cached device, for this call
+        try:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        finally:
+            self.args.__dict__["_setup_devices"] = device
+
+
 class KeepConfiguredState:
     """Mixed in before axolotl's trainer: the Trainer's accelerator on the accelerate state started for DeepSpeed
     (module docstring), which ``AxolotlTrainer.create_accelerator_and_postprocess`` would reset."""
@@ -77,19 +112,20 @@ class KeepConfiguredState:
 
 
 def stand_in_trainer_class(base: type, cfg: Any) -> type:
-    """`base` with the stand-ins the YAML needs on CPU: DeepSpeed's state kept, accelerate's FSDP2 set up (module
-    docstring)."""
+    """`base` with the stand-ins the YAML needs on CPU: checkpoints loaded on the CPU, DeepSpeed's state kept,
+    accelerate's FSDP2 set up (module docstring)."""
     import torch
 
     if torch.cuda.is_available():
         return base
+    stand_ins: tuple = (LoadOnCPU,)
     if cfg.deepspeed:
-        return type(f"CPUDeepSpeed{base.__name__}", (KeepConfiguredState, base), {})
-    if cfg.fsdp_config or cfg.fsdp:
+        stand_ins += (KeepConfiguredState,)
+    elif cfg.fsdp_config or cfg.fsdp:
         from trainer_runs import CPUStandInForAccelerateFSDP2
 
-        return type(f"CPUFSDP2{base.__name__}", (CPUStandInForAccelerateFSDP2, base), {})
-    return base
+        stand_ins += (CPUStandInForAccelerateFSDP2,)
+    return type(f"CPU{base.__name__}", (*stand_ins, base), {})
 
 
 class WrapperReport(TrainerCallback):
@@ -142,3 +178,14 @@ class CPUBlockDiagCPPlugin(BlockDiagCPPlugin):
 
     def add_callbacks_post_trainer(self, cfg: Any, trainer: Any) -> list:
         return [WrapperReport(trainer)]
+
+
+class QLoRAProbePlugin(CPUBlockDiagCPPlugin):
+    """``CPUBlockDiagCPPlugin`` registered as if the YAML had no QLoRA lines, which stay in it (module docstring)."""
+
+    def register(self, cfg: dict) -> None:
+        quantized = {key: cfg.pop(key) for key in ("adapter", "load_in_4bit") if key in cfg}
+        try:
+            super().register(cfg)
+        finally:
+            cfg.update(quantized)

@@ -169,6 +169,8 @@ def results(output_dir: pathlib.Path, history: bool = True) -> dict:
 
     saved = output_dir / "model.safetensors"
     params = load_file(str(saved if saved.exists() else output_dir / "adapter_model.safetensors"))
+    # axolotl saves an FSDP2 adapter under the names of FSDP's activation-checkpoint wrappers: read them as the layers'
+    params = {name.replace("_checkpoint_wrapped_module.", ""): value for name, value in params.items()}
     flat = torch.cat([params[k].double().reshape(-1) for k in sorted(params)])
     if not history:
         return {"params": flat, "names": sorted(params)}
