@@ -163,7 +163,8 @@ def _fsdp_problem(cfg: Mapping[str, Any]) -> str:
     if not isinstance(config, Mapping):
         return f"fsdp_config of type {type(config).__name__}: pass axolotl's fsdp_config mapping"
     config = {key.removeprefix("fsdp_"): value for key, value in config.items()}
-    version = cfg.get("fsdp_version", config.pop("version", 1))
+    inner = config.pop("version", None)
+    version = cfg.get("fsdp_version") or inner or 1  # axolotl's default: FSDP1
     if str(version) != "2":
         return f"fsdp_version={version!r}: FSDP2 (fsdp_version: 2) is verified under the plugin, FSDP1 is not"
     return fsdp_config_problem({**config, "version": 2})
