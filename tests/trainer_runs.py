@@ -283,7 +283,9 @@ def assert_same(got: dict, want: dict, keys=("loss", "grad_norm"), tol: float = 
     `param_tol`."""
     eval_tol = tol if eval_tol is None else eval_tol
     assert len(got["steps"]) == len(want["steps"]) >= 2, (label, got["steps"], want["steps"])
-    assert got["tokens_seen"] == want["tokens_seen"] > 0, (label, "tokens seen", got["tokens_seen"], want["tokens_seen"])
+    if "tokens_seen" in got or "tokens_seen" in want:  # every run of this module reports it (stacks' logs may not)
+        assert got.get("tokens_seen") == want.get("tokens_seen") > 0, (label, "tokens seen", got.get("tokens_seen"),
+                                                                        want.get("tokens_seen"))
     for i, (a, b) in enumerate(zip(got["steps"], want["steps"]), 1):
         for key in keys:
             assert abs(a[key] - b[key]) <= tol * max(1.0, abs(b[key])), (label, "step", i, key, a[key], b[key])
