@@ -16,6 +16,8 @@ torchtitan 0.3.0's Trainer does not run on a CPU-only machine by itself (it pick
 torchtitan's device choice at the CPU. FSDP (torchtitan's ``fully_shard`` over the data ranks) runs on gloo.
 """
 
+import copy
+import dataclasses
 import os
 import pathlib
 import subprocess
@@ -23,12 +25,20 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("torchtitan")
 pytest.importorskip("triton")  # torchtitan 0.3.0 imports it unconditionally (its MoE kernels)
 
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset  # noqa: E402
+from torchtitan.models.common.attention import (  # noqa: E402
+    get_causal_mask_mod,
+    get_document_mask_mod,
+    get_sliding_window_mask_mod,
+)
 from torchtitan.models.llama3.config_registry import llama3_debugmodel  # noqa: E402
+from torchtitan.models.qwen3.config_registry import qwen3_debugmodel  # noqa: E402
+from torchtitan.protocols.module import Module  # noqa: E402
 
 from torchtitan_assets import CONFIG_MODULE, documents, write_assets, write_dataset, write_tokenizer  # noqa: E402
 
@@ -39,6 +49,11 @@ from blockdiag_cp.integrations.torchtitan import (  # noqa: E402
     check_options,
     doc_ids_from_positions,
     route_attention,
+)
+from blockdiag_cp.integrations.torchtitan_attention import (  # noqa: E402
+    ROUTED_FIELDS,
+    routed_inner_attention,
+    sliding_window_of,
 )
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -190,20 +205,152 @@ def test_the_routed_attention_refuses_to_run_outside_a_step_or_drop_an_argument(
 
 @pytest.mark.parametrize("path, value", [
     ("parallelism.context_parallel_degree", 2),
-    ("parallelism.tensor_parallel_degree", 2),
     ("parallelism.pipeline_parallel_degree", 2),
+    ("parallelism.expert_parallel_degree", 2),
     ("parallelism.spmd_backend", "spmd_types"),
-    ("training.local_batch_size", 2),
-    ("validator.enable", True),
-    ("compile.enable", True),
 ])
 def test_options_that_would_differ_are_refused_by_name(path, value):
     config = blockdiag_config(llama3_debugmodel(), cp_degree=2)
     config.parallelism.spmd_backend = "partial_dtensor"
-    config.training.local_batch_size = 1
-    config.checkpoint.enable = False
     check_options(config)  # the recipe's options pass
     section, name = path.split(".")
     setattr(getattr(config, section), name, value)
     with pytest.raises(ValueError, match=path.replace(".", r"\.")):
         check_options(config)
+
+
+def test_pipeline_parallelism_is_refused_before_anything_is_built():
+    """The refusal comes from the trainer's first line, before torchtitan initializes a process group."""
+    from blockdiag_cp.integrations.torchtitan import BlockDiagCPTrainer
+
+    config = blockdiag_config(llama3_debugmodel(), cp_degree=2)
+    config.parallelism.spmd_backend = "partial_dtensor"
+    config.parallelism.pipeline_parallel_degree = 2
+    with pytest.raises(ValueError, match=r"pipeline_parallel_degree=2 is refused"):
+        BlockDiagCPTrainer(config)
+    assert not torch.distributed.is_initialized()
+
+
+# --- attention configs: each field honoured or refused (issue #52) -------------------------------------------------
+
+class DenseMaskAttention(Module):
+    """The oracle's inner attention: SDPA under the dense boolean mask passed as ``attention_masks`` ``[1, 1, S, S]``."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        pass
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+
+    def forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, **kwargs):
+        out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=attention_masks,
+                                             scale=scale, enable_gqa=enable_gqa)
+        return out.transpose(1, 2)
+
+
+def tiny_model_config(inner, family="llama3"):
+    """torchtitan's debugmodel flavor of `family`, cut to 2 layers, every layer's inner attention `inner`."""
+    registry = {"llama3": llama3_debugmodel, "qwen3": qwen3_debugmodel}[family]
+    model = copy.deepcopy(registry().model_spec.model)
+    model.layers = model.layers[:2]
+    for layer in model.layers:
+        layer.attention.inner_attention = copy.deepcopy(inner)
+    return model
+
+
+def packed_row(lengths, vocab, seed=0):
+    """tokens and torchtitan's positions ``[1, S]`` of documents of `lengths`, and the next-token targets."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, vocab, (1, sum(lengths)), generator=g)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    targets = torch.roll(tokens, -1, 1)
+    targets[0, torch.cumsum(torch.tensor(lengths), 0) - 1] = -100  # a document's last token has no target here
+    return tokens, positions, targets
+
+
+def token_nll(logits, targets):
+    return F.cross_entropy(logits[0].double(), targets[0], ignore_index=-100, reduction="none")
+
+
+def routed_and_oracle_nll(inner, mask_mods, family="llama3", lengths=(50, 90, 30, 22)):
+    """Per-token losses of the routed model (in a one-rank step) and of the same weights under torchtitan's own mask
+    mods (anded, made dense), float64."""
+    from torch.nn.attention.flex_attention import and_masks, create_mask
+
+    from blockdiag_cp import make_cp_blockdiag_batch_and_ctx
+
+    torch.manual_seed(0)
+    routed = route_attention(tiny_model_config(inner, family)).build().double()
+    routed.init_states()
+    oracle = tiny_model_config(DenseMaskAttention.Config(), family).build().double()
+    oracle.init_states()  # its RoPE buffers as the routed model's (not in the state dict)
+    oracle.load_state_dict(routed.state_dict())
+    tokens, positions, targets = packed_row(lengths, routed.config.vocab_size)
+    S = tokens.shape[1]
+    mods = [mod(positions) if mod is get_document_mask_mod else mod for mod in mask_mods]
+    mask = create_mask(and_masks(*mods), 1, None, S, S, device="cpu")
+    train_ctx, batch = make_cp_blockdiag_batch_and_ctx(None, None, {
+        "input_ids": tokens, "position_ids": positions, "_packed_seq_ids": doc_ids_from_positions(positions)})
+    with torch.no_grad():
+        with train_ctx():
+            ours = token_nll(routed(batch["input_ids"], positions=batch["position_ids"]), targets)
+        theirs = token_nll(oracle(tokens, positions=positions, attention_masks=mask), targets)
+    return ours, theirs, targets[0] != -100
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_a_varlen_sliding_window_is_honoured_per_document(family):
+    """issue #52: ``VarlenAttention.Config(window_size=(31, 0))`` is torchtitan's window of 31 keys before the query and
+    the query itself (its own mask mod: ``get_sliding_window_mask_mod(32)``), inside each document."""
+    from torchtitan.models.common.attention import VarlenAttention
+
+    windowed = [get_causal_mask_mod(), get_document_mask_mod, get_sliding_window_mask_mod(32)]
+    ours, theirs, valid = routed_and_oracle_nll(VarlenAttention.Config(window_size=(31, 0)), windowed, family)
+    torch.testing.assert_close(ours[valid], theirs[valid], rtol=0, atol=1e-9)
+    _, full_causal, _ = routed_and_oracle_nll(VarlenAttention.Config(window_size=(31, 0)),
+                                              [get_causal_mask_mod(), get_document_mask_mod], family)
+    assert (ours[valid] - full_causal[valid]).abs().max() > 1e-2  # the window matters on this row
+
+
+@pytest.mark.parametrize("inner", ["flex", "varlen"])
+def test_causal_configs_attend_per_document_as_torchtitans_own_masks(inner):
+    from torchtitan.models.common.attention import FlexAttention, VarlenAttention
+
+    config = FlexAttention.Config() if inner == "flex" else VarlenAttention.Config()
+    ours, theirs, valid = routed_and_oracle_nll(config, [get_causal_mask_mod(), get_document_mask_mod])
+    torch.testing.assert_close(ours[valid], theirs[valid], rtol=0, atol=1e-9)
+
+
+def test_window_sizes_map_to_sliding_windows_or_are_refused():
+    assert sliding_window_of((-1, 0)) is None
+    assert sliding_window_of((0, 0)) == 1  # the query alone
+    assert sliding_window_of((31, 0)) == 32
+    for bad in [(-1, -1), (31, 4), (-1, 2)]:
+        with pytest.raises(ValueError, match=r"window_size=.*bidirectional or look-ahead"):
+            sliding_window_of(bad)
+    with pytest.raises(ValueError, match="left window must be -1"):
+        sliding_window_of((-2, 0))
+
+
+def test_every_field_of_torchtitans_attention_configs_is_read_or_the_config_refused(monkeypatch, caplog):
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention, VarlenAttention
+
+    for config_type, read in ROUTED_FIELDS.items():  # a torchtitan upgrade adding a field fails here
+        assert {f.name for f in dataclasses.fields(config_type)} == read, config_type
+    with pytest.raises(ValueError, match="ScaledDotProductAttention.Config attends causally over the whole packed"):
+        routed_inner_attention(ScaledDotProductAttention.Config())
+    with pytest.raises(ValueError, match="DenseMaskAttention.Config is not an inner attention blockdiag-cp can route"):
+        route_attention(tiny_model_config(DenseMaskAttention.Config()))
+    monkeypatch.setitem(ROUTED_FIELDS, VarlenAttention.Config, ROUTED_FIELDS[VarlenAttention.Config] - {"window_size"})
+    with pytest.raises(ValueError, match=r"has the field\(s\) \['window_size'\], which blockdiag-cp does not read"):
+        routed_inner_attention(VarlenAttention.Config())
+    monkeypatch.undo()
+    marker = object()
+    routed = routed_inner_attention(VarlenAttention.Config(window_size=(7, 0), sharding_config=marker))
+    assert routed.sliding_window == 8 and routed.sharding_config is marker  # TP's local_map rules carried over
+    with caplog.at_level("WARNING"):
+        routed = routed_inner_attention(FlexAttention.Config(block_size=(256, 128), kernel_options={"BACKEND": "FLASH"}))
+    assert routed.sliding_window is None and "kernel_options={'BACKEND': 'FLASH'}" in caplog.text
+    with pytest.raises(ValueError, match="bidirectional or look-ahead"):
+        route_attention(tiny_model_config(VarlenAttention.Config(window_size=(-1, 1))))
