@@ -32,6 +32,7 @@ pytest.importorskip("triton")  # torchtitan 0.3.0 imports it unconditionally (it
 
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset  # noqa: E402
 from torchtitan.models.common.attention import (  # noqa: E402
+    FlexAttention,
     get_causal_mask_mod,
     get_document_mask_mod,
     get_sliding_window_mask_mod,
@@ -40,7 +41,7 @@ from torchtitan.models.llama3.config_registry import llama3_debugmodel  # noqa: 
 from torchtitan.models.qwen3.config_registry import qwen3_debugmodel  # noqa: E402
 from torchtitan.protocols.module import Module  # noqa: E402
 
-from torchtitan_assets import CONFIG_MODULE, documents, write_assets, write_dataset, write_tokenizer  # noqa: E402
+from torchtitan_assets import config_module, documents, write_assets, write_dataset, write_tokenizer  # noqa: E402
 
 from blockdiag_cp.integrations.torchtitan import (  # noqa: E402
     BlockDiagCPAttention,
@@ -68,51 +69,89 @@ def assets(tmp_path_factory):
     return root
 
 
-def launch(root: pathlib.Path, name: str, world: int, *overrides: str) -> dict:
+def launch(root: pathlib.Path, name: str, world: int, config_fn: str, *overrides: str, probe: bool = True) -> dict:
     """One torchtitan run under torchrun; returns what torchtitan_run.py recorded."""
     cfg_dir = root / f"cfg_{name}"
     cfg_dir.mkdir()
-    (cfg_dir / "tt_tiny_config.py").write_text(CONFIG_MODULE.format(
-        tok=str(root / "tok"), data=str(root / "data"), seq_len=SEQ_LEN, steps=STEPS, dump=str(root / f"out_{name}")))
+    (cfg_dir / "tt_tiny_config.py").write_text(config_module(root, seq_len=SEQ_LEN, steps=STEPS, dump=root / f"out_{name}"))
     out = root / f"{name}.pt"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(cfg_dir), *sys.path]), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(root / "hf_cache")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           str(HERE / "torchtitan_run.py"), str(out), str(root / "data_perturbed"),
-           "--module", "tt_tiny_config", "--config", "tiny_llama3", *overrides]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+           str(HERE / "torchtitan_run.py"), str(out), str(root / "data_perturbed") if probe else "-",
+           "--module", "tt_tiny_config", "--config", config_fn, *overrides]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-8000:]
     return torch.load(out, weights_only=False)
 
 
+CP2 = ("--blockdiag_cp.cp_degree", "2")
+DP_SHARD2 = ("--parallelism.data_parallel_shard_degree", "2")
+TP2 = ("--parallelism.tensor_parallel_degree", "2")
+
+
 @pytest.fixture(scope="module")
-def runs(assets):
-    """The two launches every slow comparison shares."""
-    return {"ref": launch(assets, "ref", 1), "cp2": launch(assets, "cp2", 2, "--blockdiag_cp.cp_degree", "2")}
+def compiled_runs(assets):
+    """llama3 with torchtitan's per-block compile and selective activation checkpointing: 1 rank, and cp 2."""
+    return {"ref": launch(assets, "ref", 1, "tiny_llama3_compiled"),
+            "cp2": launch(assets, "cp2", 2, "tiny_llama3_compiled", *CP2)}
 
 
-@pytest.mark.slow
-def test_cp2_trains_as_the_run_without_cp(runs):
-    ref, cp2 = runs["ref"], runs["cp2"]
-    assert cp2["cp_degree"] == 2 and cp2["world"] == 2 and ref["world"] == 1
-    assert len(ref["losses"]) == len(cp2["losses"]) == STEPS
-    torch.testing.assert_close(torch.tensor(cp2["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
-    torch.testing.assert_close(torch.tensor(cp2["grad_norms"]), torch.tensor(ref["grad_norms"]), rtol=1e-4, atol=0)
-    assert ref["params"].keys() == cp2["params"].keys()
+@pytest.fixture(scope="module")
+def dp_runs(assets):
+    """llama3, varlen attention with a window, 2 rows per micro-batch, accumulation, validator, checkpoints every
+    2 steps: dp_shard 2 (2 ranks), dp_shard 2 x cp 2 (4 ranks), and the latter resumed from its step-2 checkpoint."""
+    runs = {"dp2": launch(assets, "dp2", 2, "tiny_llama3_windowed", *DP_SHARD2),
+            "dp2cp2": launch(assets, "dp2cp2", 4, "tiny_llama3_windowed", *DP_SHARD2, *CP2)}
+    runs["resumed"] = launch(assets, "resumed", 4, "tiny_llama3_windowed", *DP_SHARD2, *CP2, "--dump_folder",
+                             str(assets / "out_dp2cp2"), "--checkpoint.load_step", "2", probe=False)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def tp_runs(assets):
+    """qwen3 with full activation checkpointing under torchtitan's TP: tp 2 (2 ranks), tp 2 x cp 2 (4 ranks)."""
+    return {"tp2": launch(assets, "tp2", 2, "tiny_qwen3_full_ac", *TP2),
+            "tp2cp2": launch(assets, "tp2cp2", 4, "tiny_qwen3_full_ac", *TP2, *CP2)}
+
+
+def assert_trains_alike(ours: dict, ref: dict, steps: int) -> None:
+    """Per-step losses, gradient norms and final parameters of two runs of the same config (float32)."""
+    assert ours["steps"] == ref["steps"] and len(ref["steps"]) == steps
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+    # the gradients' norm, float64; torchtitan's logged norm is torch's float32 CPU norm of each rank's shards,
+    # which moves by up to ~2e-5 relative with the sharding alone (torchtitan_run.record_exact_grad_norms)
+    torch.testing.assert_close(torch.tensor(ours["exact_grad_norms"]), torch.tensor(ref["exact_grad_norms"]),
+                               rtol=1e-6, atol=0)
+    torch.testing.assert_close(torch.tensor(ours["grad_norms"]), torch.tensor(ref["grad_norms"]), rtol=5e-5, atol=0)
+    assert ref["params"].keys() == ours["params"].keys()
     # float32 Adam: an element whose gradient is ~0 moves by up to lr x (a float32 rounding's sign), so a few
     # elements in 10^5 differ by ~1e-5 after 3 steps; any real difference moves every element by ~lr
     for name, p_ref in ref["params"].items():
-        delta = cp2["params"][name] - p_ref
-        assert delta.abs().max() < 5e-5 and delta.norm() < 1e-5 * p_ref.norm(), (name, delta.abs().max())
-    probe_ref, probe_cp2 = ref["probe"], cp2["probe"]
-    assert torch.equal(probe_ref["inputs"], probe_cp2["inputs"])  # the CP group read the reference's row
-    valid = probe_ref["labels"] != -100
-    torch.testing.assert_close(probe_cp2["nll"][valid], probe_ref["nll"][valid], rtol=0, atol=1e-5)
+        delta = ours["params"][name] - p_ref
+        assert delta.abs().max() < 1e-4 and delta.norm() < 1e-5 * p_ref.norm(), (name, delta.abs().max())
+
+
+def assert_same_probe(ours: dict, ref: dict) -> None:
+    """The first micro-batch's per-token losses at the initial weights: the CP group read the reference's rows."""
+    assert torch.equal(ref["probe"]["inputs"], ours["probe"]["inputs"])
+    valid = ref["probe"]["labels"] != -100
+    torch.testing.assert_close(ours["probe"]["nll"][valid], ref["probe"]["nll"][valid], rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow
-def test_perturbing_one_document_moves_no_other_documents_loss(runs):
-    base, perturbed = runs["cp2"]["probe"], runs["cp2"]["probe_other"]
+def test_cp2_trains_as_the_run_without_cp_compiled(compiled_runs):
+    ref, cp2 = compiled_runs["ref"], compiled_runs["cp2"]
+    assert cp2["cp_degree"] == 2 and cp2["world"] == 2 and ref["world"] == 1
+    assert_trains_alike(cp2, ref, STEPS)
+    assert_same_probe(cp2, ref)
+    for run in (ref, cp2):  # torchtitan's per-block fullgraph compile traced the blocks, the attention as one op
+        assert run["dynamo"]["stats"]["unique_graphs"] >= 2 and not run["dynamo"].get("graph_break"), run["dynamo"]
+
+
+@pytest.mark.slow
+def test_perturbing_one_document_moves_no_other_documents_loss(compiled_runs):
+    base, perturbed = compiled_runs["cp2"]["probe"], compiled_runs["cp2"]["probe_other"]
     assert torch.equal(base["doc_ids"], perturbed["doc_ids"])
     doc_ids = base["doc_ids"]
     assert int(doc_ids.max()) >= 3, "the probe row should hold several documents"
@@ -122,6 +161,45 @@ def test_perturbing_one_document_moves_no_other_documents_loss(runs):
     others = ~first & (base["labels"] != -100)
     torch.testing.assert_close(perturbed["nll"][others], base["nll"][others], rtol=0, atol=1e-6)
     assert (perturbed["nll"][first] - base["nll"][first]).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_dp_shard2_cp2_trains_and_validates_as_dp_shard2(dp_runs):
+    """FSDP over dp x cp (4 ranks) against torchtitan's dp_shard 2 (2 ranks): a varlen window, several rows per
+    micro-batch, gradient accumulation, selective activation checkpointing and the validator's eval losses."""
+    dp2, dp2cp2 = dp_runs["dp2"], dp_runs["dp2cp2"]
+    assert dp2cp2["mesh"] == {"batch": 4, "fsdp": 4, "tp": 1} and dp2["mesh"] == {"batch": 2, "fsdp": 2, "tp": 1}
+    assert_trains_alike(dp2cp2, dp2, 4)
+    assert_same_probe(dp2cp2, dp2)
+    assert dp2["probe"]["doc_ids"].numel() == 2 * SEQ_LEN  # two rows laid end to end
+    assert sorted(dp2cp2["eval_losses"]) == sorted(dp2["eval_losses"]) == [1, 2, 4]
+    torch.testing.assert_close(torch.tensor(list(dp2cp2["eval_losses"].values())),
+                               torch.tensor(list(dp2["eval_losses"].values())), rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_ends_as_the_uninterrupted_one(dp_runs):
+    """torchtitan's DCP checkpoint at step 2 (model, optimizer, schedule, each CP group's dataloader state), resumed
+    on 4 ranks: steps 3 and 4 and the final parameters are the uninterrupted run's."""
+    whole, resumed = dp_runs["dp2cp2"], dp_runs["resumed"]
+    assert resumed["steps"] == [3, 4]
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(whole["losses"][2:]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(torch.tensor(resumed["exact_grad_norms"]), torch.tensor(whole["exact_grad_norms"][2:]),
+                               rtol=1e-6, atol=0)
+    assert resumed["eval_losses"].keys() == {4}
+    assert abs(resumed["eval_losses"][4] - whole["eval_losses"][4]) <= 1e-6 * whole["eval_losses"][4]
+    for name, p in whole["params"].items():
+        torch.testing.assert_close(resumed["params"][name], p, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_tp2_cp2_trains_as_tp2(tp_runs):
+    """torchtitan's own TP (its parallelize of qwen3: fused QKV, QK norm, GQA, tied embeddings) x cp 2 against tp 2,
+    full activation checkpointing."""
+    tp2, tp2cp2 = tp_runs["tp2"], tp_runs["tp2cp2"]
+    assert tp2cp2["mesh"] == {"batch": 2, "fsdp": 2, "tp": 2} and tp2["mesh"] == {"batch": 1, "fsdp": 1, "tp": 2}
+    assert_trains_alike(tp2cp2, tp2, STEPS)
+    assert_same_probe(tp2cp2, tp2)
 
 
 def test_doc_ids_follow_torchtitans_own_document_boundaries(tmp_path):
@@ -315,7 +393,7 @@ def test_a_varlen_sliding_window_is_honoured_per_document(family):
 
 @pytest.mark.parametrize("inner", ["flex", "varlen"])
 def test_causal_configs_attend_per_document_as_torchtitans_own_masks(inner):
-    from torchtitan.models.common.attention import FlexAttention, VarlenAttention
+    from torchtitan.models.common.attention import VarlenAttention
 
     config = FlexAttention.Config() if inner == "flex" else VarlenAttention.Config()
     ours, theirs, valid = routed_and_oracle_nll(config, [get_causal_mask_mod(), get_document_mask_mod])
@@ -334,7 +412,7 @@ def test_window_sizes_map_to_sliding_windows_or_are_refused():
 
 
 def test_every_field_of_torchtitans_attention_configs_is_read_or_the_config_refused(monkeypatch, caplog):
-    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention, VarlenAttention
+    from torchtitan.models.common.attention import ScaledDotProductAttention, VarlenAttention
 
     for config_type, read in ROUTED_FIELDS.items():  # a torchtitan upgrade adding a field fails here
         assert {f.name for f in dataclasses.fields(config_type)} == read, config_type
@@ -354,3 +432,37 @@ def test_every_field_of_torchtitans_attention_configs_is_read_or_the_config_refu
     assert routed.sliding_window is None and "kernel_options={'BACKEND': 'FLASH'}" in caplog.text
     with pytest.raises(ValueError, match="bidirectional or look-ahead"):
         route_attention(tiny_model_config(VarlenAttention.Config(window_size=(-1, 1))))
+
+
+def test_several_rows_per_micro_batch_are_one_packed_row_of_the_same_losses():
+    """``local_batch_size`` 2: the rows laid end to end (the second starting inside a carried-over document) give
+    every token the loss torchtitan's own ``[2, S]`` batch gives it under its per-row document masks."""
+    from torch.nn.attention.flex_attention import and_masks, create_mask
+
+    from blockdiag_cp import make_cp_blockdiag_batch_and_ctx
+    from blockdiag_cp.integrations.torchtitan_rows import one_packed_row
+
+    torch.manual_seed(0)
+    routed = route_attention(tiny_model_config(FlexAttention.Config())).build().double()
+    routed.init_states()
+    oracle = tiny_model_config(DenseMaskAttention.Config()).build().double()
+    oracle.init_states()
+    oracle.load_state_dict(routed.state_dict())
+    S = 64
+    tokens = torch.randint(3, routed.config.vocab_size, (2, S), generator=torch.Generator().manual_seed(1))
+    positions = torch.stack([torch.cat([torch.arange(20), torch.arange(44)]),
+                             torch.cat([torch.arange(17, 30), torch.arange(30), torch.arange(21)])])
+    labels = torch.roll(tokens, -1, 1)
+    labels[:, -1] = -100
+    row = one_packed_row({"input": tokens, "positions": positions}, labels, multiple=6)
+    assert row["input_ids"].shape == (1, 2 * S + 4) and row["_packed_seq_ids"][0, -4:].eq(0).all()
+    assert row["_packed_seq_ids"][0, :2 * S].unique().numel() == 5  # 2 documents + 3 in the second row
+    train_ctx, batch = make_cp_blockdiag_batch_and_ctx(None, None, dict(row))
+    mask = create_mask(and_masks(get_causal_mask_mod(), get_document_mask_mod(positions)), 2, None, S, S, device="cpu")
+    with torch.no_grad():
+        with train_ctx():
+            ours = token_nll(routed(batch["input_ids"], positions=batch["position_ids"]), batch["labels"])
+        theirs = F.cross_entropy(oracle(tokens, positions=positions, attention_masks=mask).flatten(0, 1).double(),
+                                 labels.flatten(), ignore_index=-100, reduction="none")
+    valid = labels.flatten() != -100
+    torch.testing.assert_close(ours[:2 * S][valid], theirs[valid], rtol=0, atol=1e-9)
