@@ -118,6 +118,7 @@ def tp_runs(assets):
 def assert_trains_alike(ours: dict, ref: dict, steps: int) -> None:
     """Per-step losses, gradient norms and final parameters of two runs of the same config (float32)."""
     assert ours["steps"] == ref["steps"] and len(ref["steps"]) == steps
+    assert ours["tokens_seen"] == ref["tokens_seen"]  # torchtitan's n_tokens_seen: each token once
     torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
     # the gradients' norm, float64; torchtitan's logged norm is torch's float32 CPU norm of each rank's shards,
     # which moves by up to ~2e-5 relative with the sharding alone (torchtitan_run.record_exact_grad_norms)

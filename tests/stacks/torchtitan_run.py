@@ -105,17 +105,19 @@ def main() -> None:
     config = ConfigManager().parse_args(argv)
     trainer = config.build()
     same_initial_weights(trainer.model_parts[0])
-    record = {"losses": [], "grad_norms": [], "exact_grad_norms": [], "steps": [], "eval_losses": {}}
+    record = {"losses": [], "grad_norms": [], "exact_grad_norms": [], "tokens_seen": [], "steps": [], "eval_losses": {}}
     record_exact_grad_norms(record)
     if probe_data != "-":
         record["probe"] = probe_row_nll(trainer, config.dataloader.dataset_path)
         record["probe_other"] = probe_row_nll(trainer, probe_data)
+        trainer.ntokens_seen = 0  # the probes went through the trainer's post_dataloading_process
     log, log_validation = trainer.metrics_processor.log, trainer.metrics_processor.log_validation
 
     def recording_log(step, global_avg_loss, global_max_loss, grad_norm, **kwargs):
         record["steps"].append(step)
         record["losses"].append(float(global_avg_loss))
         record["grad_norms"].append(float(grad_norm))
+        record["tokens_seen"].append(int(kwargs["extra_metrics"]["n_tokens_seen"]))
         return log(step, global_avg_loss, global_max_loss, grad_norm, **kwargs)
 
     def recording_log_validation(loss, step, **kwargs):
