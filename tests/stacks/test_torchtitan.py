@@ -1,15 +1,21 @@
-"""torchtitan's trainer with document-packed rows under blockdiag-cp (issue #48, docs/torchtitan.md).
+"""torchtitan's trainer with document-packed rows under blockdiag-cp (issues #48, #52, docs/torchtitan.md).
 
-The slow tests share two launches of torchtitan's own training on CPU gloo ranks (tests/stacks/torchtitan_run.py):
-a tiny llama3 (torchtitan's debugmodel flavor cut to 2 layers) from a config_registry module this test writes
-(torchtitan 0.3.0's config format: a Python function plus ``--section.key`` CLI overrides), its own text
-dataloader packing a tiny local dataset with a tiny local tokenizer (nothing downloaded):
+The slow tests share seven launches of torchtitan's own training on CPU gloo ranks (tests/stacks/torchtitan_run.py),
+tiny models (torchtitan's llama3 and qwen3 debugmodel flavors cut to 2 layers) from a config_registry module this
+test writes (torchtitan 0.3.0's config format: a Python function plus ``--section.key`` CLI overrides), its own
+text dataloader packing a tiny local dataset with a tiny local tokenizer (nothing downloaded), float32. Each pair
+is the same config with and without CP; one launch compares several things at once:
 
-* no CP, one rank (``blockdiag_cp.cp_degree`` 1): the reference;
-* cp 2 on two ranks: per-step losses, grad norms, final parameters and the first row's per-token losses
-  equal the reference (float32 training, so 1e-5);
-* the leak probe, in the cp 2 launch: the first row again with its first document perturbed (same length):
-  every other document's per-token losses are unchanged (1e-6), the perturbed document's moved.
+* ``compiled_runs``: llama3, torchtitan's per-block compile, selective activation checkpointing; 1 rank against
+  cp 2 (2 ranks), and the leak probe (the first row with its first document perturbed) in the cp 2 launch;
+* ``dp_runs``: llama3 with varlen attention and a window of 31 keys, 2 rows per micro-batch, accumulation, the
+  validator and DCP checkpoints; dp_shard 2 (2 ranks) against dp_shard 2 x cp 2 (4 ranks), and the latter
+  resumed from its step-2 checkpoint against its uninterrupted run;
+* ``tp_runs``: qwen3, full activation checkpointing, torchtitan's TP; tp 2 (2 ranks) against tp 2 x cp 2 (4).
+
+Compared: per-step losses, gradient norms, n_tokens_seen, eval losses, the first micro-batch's per-token losses
+and the final parameters. The fast tests check the attention routing against torchtitan's own mask rules
+(float64, one process), the document ids, the rows each rank reads and the refusals.
 
 torchtitan 0.3.0's Trainer does not run on a CPU-only machine by itself (it picks "cuda" and dies at
 ``torch.cuda.set_device``); the runs go through `blockdiag_cp.integrations.torchtitan_cpu`, which points
@@ -110,9 +116,11 @@ def dp_runs(assets):
 
 @pytest.fixture(scope="module")
 def tp_runs(assets):
-    """qwen3 with full activation checkpointing under torchtitan's TP: tp 2 (2 ranks), tp 2 x cp 2 (4 ranks)."""
-    return {"tp2": launch(assets, "tp2", 2, "tiny_qwen3_full_ac", *TP2),
-            "tp2cp2": launch(assets, "tp2cp2", 4, "tiny_qwen3_full_ac", *TP2, *CP2)}
+    """qwen3 with full activation checkpointing under torchtitan's TP: tp 2 (2 ranks), tp 2 x cp 2 (4 ranks). Rows of
+    200 tokens: a CP shard of 100 is padded to 104 (torchtitan's chunked loss splits it in 8, `local_multiple_of`)."""
+    rows = ("--training.seq_len", "200")
+    return {"tp2": launch(assets, "tp2", 2, "tiny_qwen3_full_ac", *TP2, *rows),
+            "tp2cp2": launch(assets, "tp2cp2", 4, "tiny_qwen3_full_ac", *TP2, *CP2, *rows)}
 
 
 def assert_trains_alike(ours: dict, ref: dict, steps: int) -> None:

@@ -63,7 +63,14 @@ from torchtitan.trainer import Trainer
 
 from ..config import CPConfig
 from .torchtitan_attention import BlockDiagCPAttention, BlockDiagCPConverter, route_attention
-from .torchtitan_rows import BlockDiagCPValidator, CPGroupRows, CPGroups, as_config, doc_ids_from_positions
+from .torchtitan_rows import (
+    BlockDiagCPValidator,
+    CPGroupRows,
+    CPGroups,
+    as_config,
+    doc_ids_from_positions,
+    local_multiple_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +163,8 @@ class BlockDiagCPTrainer(Trainer):
         super().__init__(config)
         dims = self.parallel_dims
         self.cp_groups = CPGroups.build(cp_degree, config.blockdiag_cp.cp_config(),
-                                        dims.get_mesh("tp") if dims.tp_enabled else None, self.device.type)
+                                        dims.get_mesh("tp") if dims.tp_enabled else None, self.device.type,
+                                        local_multiple_of(dims.tp, self.loss_fn))
         self.cp_degree = cp_degree
         if self.device.type == "cpu":
             _sum_gradients_over_gloo(self.model_parts)

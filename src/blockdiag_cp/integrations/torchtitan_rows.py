@@ -15,7 +15,9 @@ consecutive data ranks at one TP rank::
 * counts: a CP group's ranks count its rows' tokens ``cp`` times in torchtitan's sums over data ranks; the trainer
   divides its count by ``cp``, the validator sums its count over one rank per group (`CPGroups.rows_mesh`).
 * the shard: `CPGroups.shard` lays the micro-batch's rows end to end as one packed row (Note [Several rows per
-  micro-batch]) and shards it by this library's plan; every TP rank of a CP rank gets the same shard.
+  micro-batch]), pads it so every shard splits evenly where torchtitan splits it (`local_multiple_of`: sequence
+  parallelism, the chunked loss) and shards it by this library's plan; every TP rank of a CP rank gets the same
+  shard.
 
 Note [Several rows per micro-batch]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator, Optional
 
@@ -38,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torchtitan.components.dataloader import BaseDataLoader
-from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper
 from torchtitan.components.validate import Validator
 
 from ..config import CPConfig
@@ -50,6 +53,7 @@ __all__ = (
     "CPGroups",
     "ShardedRow",
     "doc_ids_from_positions",
+    "local_multiple_of",
     "one_packed_row",
 )
 
@@ -138,7 +142,8 @@ class CPGroups:
     """The CP groups inside torchtitan's data ranks (Note [CP groups inside torchtitan's data ranks]).
 
     ``cp_mesh``: this rank's CP group (None at ``cp_degree == 1``); ``rows_mesh``: one rank per CP group, the ranks
-    of this rank's CP and TP index (None at ``cp_degree == 1``); ``tp_mesh``: torchtitan's TP mesh (None without TP).
+    of this rank's CP and TP index (None at ``cp_degree == 1``); ``tp_mesh``: torchtitan's TP mesh (None without TP);
+    ``local_multiple``: what a shard's length must divide into (`local_multiple_of`).
     """
 
     cp_degree: int
@@ -146,24 +151,25 @@ class CPGroups:
     cp_mesh: Optional[DeviceMesh]
     rows_mesh: Optional[DeviceMesh]
     tp_mesh: Optional[DeviceMesh]
+    local_multiple: int = 1
 
     @classmethod
-    def build(cls, cp_degree: int, config: CPConfig, tp_mesh: Optional[DeviceMesh], device_type: str) -> "CPGroups":
+    def build(cls, cp_degree: int, config: CPConfig, tp_mesh: Optional[DeviceMesh], device_type: str,
+              local_multiple: int = 1) -> "CPGroups":
         """Every rank calls this (it creates the groups). Raises `ValueError` if ``cp x tp`` does not divide the world."""
         world, tp = dist.get_world_size(), 1 if tp_mesh is None else tp_mesh.size()
         if world % (cp_degree * tp):
             raise ValueError(f"blockdiag_cp.cp_degree={cp_degree} x tensor_parallel_degree={tp} must divide the world "
                              f"size {world}")
         if cp_degree == 1:
-            return cls(cp_degree, config, None, None, tp_mesh)
+            return cls(cp_degree, config, None, None, tp_mesh, local_multiple)
         mesh = init_device_mesh(device_type, (world // (cp_degree * tp), cp_degree, tp),
                                 mesh_dim_names=("rows", "cp", "tp"))
-        return cls(cp_degree, config, mesh["cp"], mesh["rows"], tp_mesh)
+        return cls(cp_degree, config, mesh["cp"], mesh["rows"], tp_mesh, local_multiple)
 
     def shard(self, input_dict: dict[str, torch.Tensor], labels_BS: torch.Tensor) -> ShardedRow:
         """This rank's shard of torchtitan's micro-batch ``[B, S]`` (laid out as one packed row)."""
-        tp = 1 if self.tp_mesh is None else self.tp_mesh.size()
-        batch = one_packed_row(input_dict, labels_BS, multiple=self.cp_degree * tp)  # L % tp == 0: sequence parallel
+        batch = one_packed_row(input_dict, labels_BS, multiple=self.cp_degree * self.local_multiple)
         train_ctx, batch = make_cp_blockdiag_batch_and_ctx(self.cp_mesh, self.tp_mesh, batch, config=self.config)
         real = int((~batch["padding_mask"]).sum())
         return ShardedRow(train_ctx, batch["input_ids"], batch["labels"], {"positions": batch["position_ids"]}, real)
@@ -226,6 +232,14 @@ class BlockDiagCPValidator(Validator):
             raise RuntimeError("no blockdiag-cp step: the validator's post_dataloading_process did not run")
         with outer(), step():
             yield
+
+
+def local_multiple_of(tp_degree: int, loss_fn: Any) -> int:
+    """What every shard's length must be a multiple of, so torchtitan's modules split it evenly: the TP degree
+    (sequence parallelism splits the shard over the TP ranks) and `ChunkedLossWrapper`'s ``num_chunks`` (it splits
+    the shard's sequence into that many chunks). The row is padded to ``cp x`` this (padding has no loss)."""
+    chunks = loss_fn.num_chunks if isinstance(loss_fn, ChunkedLossWrapper) else 1
+    return math.lcm(tp_degree, chunks)
 
 
 def as_config(config_type: type, base: Any, **extra: Any) -> Any:
