@@ -66,6 +66,7 @@ def tiny_llama3_windowed():
         dataset="c4_test", dataset_path={validation!r}))
     config.checkpoint.enable = True
     config.checkpoint.interval = 2
+    config.activation_checkpoint = None
     return config
 
 
