@@ -5,8 +5,8 @@ Note [Routing torchtitan's attention configs]
 torchtitan 0.3.0 picks a layer's attention kernel by its ``inner_attention`` config; a decoder whose
 ``get_attention_masks`` is torchtitan's default masks every packed row per document (causal inside a document,
 nothing across), the rule `cp_blockdiag_sdpa` applies. Each config becomes a `BlockDiagCPAttention.Config`, every
-one of its fields read (`ROUTED_FIELDS` lists them per config type, so a torchtitan upgrade that adds a field is
-refused by name until it is read here):
+one of its fields read (`ROUTED_FIELDS` lists them per config type, so a torchtitan upgrade or a subclass that
+adds a field is refused by name until it is read here):
 
     VarlenAttention.Config.window_size   (-1, 0): causal inside the document;
                                          (W, 0): causal with a window of W keys before the query and the query
@@ -31,6 +31,7 @@ import copy
 import dataclasses
 import logging
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Optional
 
 import torch
@@ -61,10 +62,10 @@ __all__ = (
 #: the fields of every Module config (torchtitan's `Module.Config`): carried over to the routed config
 _MODULE_FIELDS = frozenset({"param_init", "sharding_config"})
 #: per inner-attention config type, every field the routing reads (Note [Routing torchtitan's attention configs])
-ROUTED_FIELDS = {
+ROUTED_FIELDS = MappingProxyType({
     VarlenAttention.Config: _MODULE_FIELDS | {"window_size"},
     FlexAttention.Config: _MODULE_FIELDS | {"block_size", "kernel_options"},
-}
+})
 
 
 class BlockDiagCPAttention(Module):
@@ -137,11 +138,11 @@ def routed_inner_attention(inner: Module.Config) -> BlockDiagCPAttention.Config:
             "ScaledDotProductAttention.Config attends causally over the whole packed row, across its documents "
             "(torchtitan's own rule for it); blockdiag-cp attends per document and would silently change that. "
             "Use torchtitan's flex or varlen attention (attn_backend='flex' / 'varlen'), which mask per document")
-    known = ROUTED_FIELDS.get(type(inner))
-    if known is None:
+    routed_type = next((t for t in type(inner).__mro__ if t in ROUTED_FIELDS), None)
+    if routed_type is None:
         raise ValueError(f"{type(inner).__qualname__} is not an inner attention blockdiag-cp can route; routed: "
                          f"{sorted(t.__qualname__ for t in ROUTED_FIELDS)}")
-    unread = sorted({f.name for f in dataclasses.fields(inner)} - known)
+    unread = sorted({f.name for f in dataclasses.fields(inner)} - ROUTED_FIELDS[routed_type])
     if unread:
         raise ValueError(f"{type(inner).__qualname__} has the field(s) {unread}, which blockdiag-cp does not read; "
                          "routing it would drop them")
