@@ -470,6 +470,7 @@ def test_several_rows_per_micro_batch_are_one_packed_row_of_the_same_losses():
     labels[:, -1] = -100
     row = one_packed_row({"input": tokens, "positions": positions}, labels, multiple=6)
     assert row["input_ids"].shape == (1, 2 * S + 4) and row["_packed_seq_ids"][0, -4:].eq(0).all()
+    assert row["labels"][0, -4:].eq(-100).all() and row["position_ids"][0, -4:].eq(0).all()  # padding: no loss
     assert row["_packed_seq_ids"][0, :2 * S].unique().numel() == 5  # 2 documents + 3 in the second row
     train_ctx, batch = make_cp_blockdiag_batch_and_ctx(None, None, dict(row))
     mask = create_mask(and_masks(get_causal_mask_mod(), get_document_mask_mod(positions)), 2, None, S, S, device="cpu")
