@@ -107,7 +107,7 @@ def main() -> None:
     same_initial_weights(trainer.model_parts[0])
     record = {"losses": [], "grad_norms": [], "exact_grad_norms": [], "tokens_seen": [], "steps": [], "eval_losses": {}}
     record_exact_grad_norms(record)
-    if probe_data != "-":
+    if probe_data != "-" and hasattr(trainer, "cp_step"):  # torchtitan's own Trainer has no step to probe in
         record["probe"] = probe_row_nll(trainer, config.dataloader.dataset_path)
         record["probe_other"] = probe_row_nll(trainer, probe_data)
         trainer.ntokens_seen = 0  # the probes went through the trainer's post_dataloading_process
