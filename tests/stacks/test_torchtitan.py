@@ -299,8 +299,9 @@ def test_the_routed_attention_refuses_to_run_outside_a_step_or_drop_an_argument(
     ("parallelism.spmd_backend", "spmd_types"),
 ])
 def test_options_that_would_differ_are_refused_by_name(path, value):
-    config = blockdiag_config(llama3_debugmodel(), cp_degree=2)
-    config.parallelism.spmd_backend = "partial_dtensor"
+    base = llama3_debugmodel()
+    config = blockdiag_config(base, cp_degree=2)
+    assert config.parallelism.spmd_backend == "partial_dtensor" and base.parallelism.spmd_backend == "spmd_types"
     check_options(config)  # the recipe's options pass
     section, name = path.split(".")
     setattr(getattr(config, section), name, value)
@@ -313,7 +314,6 @@ def test_pipeline_parallelism_is_refused_before_anything_is_built():
     from blockdiag_cp.integrations.torchtitan import BlockDiagCPTrainer
 
     config = blockdiag_config(llama3_debugmodel(), cp_degree=2)
-    config.parallelism.spmd_backend = "partial_dtensor"
     config.parallelism.pipeline_parallel_degree = 2
     with pytest.raises(ValueError, match=r"pipeline_parallel_degree=2 is refused"):
         BlockDiagCPTrainer(config)

@@ -10,9 +10,7 @@ with this library's step inside it::
     from blockdiag_cp.integrations.torchtitan import blockdiag_config
 
     def my_run():
-        config = blockdiag_config(llama3_debugmodel(), cp_degree=2)
-        config.parallelism.spmd_backend = "partial_dtensor"
-        return config
+        return blockdiag_config(llama3_debugmodel(), cp_degree=2)   # spmd_backend "partial_dtensor"
 
     torchrun --nproc-per-node 4 -m torchtitan.train --module my_configs --config my_run \\
         --blockdiag_cp.cp_degree 2          # any key can be overridden on torchtitan's CLI
@@ -102,6 +100,9 @@ class BlockDiagCPOptions:
     def cp_config(self) -> CPConfig:
         return CPConfig(layout=self.layout, kv_exchange=self.kv_exchange)
 
+
+#: torchtitan 0.3.0's default ``parallelism.spmd_backend`` (`blockdiag_config` replaces it by ``partial_dtensor``)
+_TITAN_DEFAULT_BACKEND = "spmd_types"
 
 #: (the option, the value that keeps it off, why it is refused)
 _REFUSED = (
@@ -248,6 +249,11 @@ def _keep_pg_timeouts(timeout: Any, parallel_dims: Any) -> None:
 def blockdiag_config(base: Trainer.Config, **options: Any) -> BlockDiagCPTrainer.Config:
     """`base` (e.g. ``llama3_debugmodel()``) as a `BlockDiagCPTrainer.Config`; `options` fill its ``blockdiag_cp``.
 
-    For a ``config_registry`` function: ``return blockdiag_config(llama3_debugmodel(), cp_degree=2)``.
+    For a ``config_registry`` function: ``return blockdiag_config(llama3_debugmodel(), cp_degree=2)``. torchtitan's
+    default SPMD backend (``spmd_types``, which `check_options` refuses) becomes ``partial_dtensor``, the one this
+    trainer runs under; a backend set to anything else is left as it is (and refused by name).
     """
-    return as_config(BlockDiagCPTrainer.Config, base, blockdiag_cp=BlockDiagCPOptions(**options))
+    config = as_config(BlockDiagCPTrainer.Config, base, blockdiag_cp=BlockDiagCPOptions(**options))
+    if config.parallelism.spmd_backend == _TITAN_DEFAULT_BACKEND:
+        config.parallelism = dataclasses.replace(config.parallelism, spmd_backend="partial_dtensor")
+    return config
