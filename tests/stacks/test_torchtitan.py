@@ -9,8 +9,8 @@ is the same config with and without CP; one launch compares several things at on
 * ``compiled_runs``: llama3, torchtitan's per-block compile, selective activation checkpointing; 1 rank against
   cp 2 (2 ranks), and the leak probe (the first row with its first document perturbed) in the cp 2 launch;
 * ``dp_runs``: llama3 with varlen attention and a window of 31 keys, 2 rows per micro-batch, accumulation, the
-  validator and DCP checkpoints, no activation checkpointing; dp_shard 2 (2 ranks) against dp_shard 2 x cp 2 (4 ranks), and the latter
-  resumed from its step-2 checkpoint against its uninterrupted run;
+  validator and DCP checkpoints, no activation checkpointing; dp_shard 2 (2 ranks) against dp_shard 2 x cp 2
+  (4 ranks), and the latter resumed from its step-2 checkpoint against its uninterrupted run;
 * ``tp_runs``: qwen3, full activation checkpointing, torchtitan's TP; tp 2 (2 ranks) against tp 2 x cp 2 (4).
 
 Compared: per-step losses, gradient norms, n_tokens_seen, eval losses, the first micro-batch's per-token losses

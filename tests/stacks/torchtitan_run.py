@@ -5,11 +5,12 @@
 
 The run is torchtitan's own: its ConfigManager parses the config_registry function and the CLI overrides, its
 ``config.build()`` makes the `BlockDiagCPTrainer`, ``trainer.train()`` trains. Around it this script records,
-for the test only: each step's logged loss and grad norm at full precision (the console prints 5 digits), each
-validation's eval loss, the per-token losses of the first packed row at the initial weights, of the run's dataset and of PROBE_DATA (the leak
-probe: the row read by a fresh copy of the trainer's own dataloader, sharded by the trainer's own
-``post_dataloading_process``, the model run in its step, the shard's losses gathered to the row), and the final
-parameters, gathered whole. Rank 0 saves them.
+for the test only: each step's logged loss and grad norm at full precision (the console prints 5 digits), the
+gradients' own norm in float64, n_tokens_seen, each validation's eval loss, the per-token losses of the first
+micro-batch at the initial weights, of the run's dataset and of PROBE_DATA (the leak probe: the rows read by a
+fresh copy of the trainer's own dataloader, sharded by the trainer's own ``post_dataloading_process``, the model
+run in its step, the shard's losses gathered to the row), and the final parameters, gathered whole. Rank 0 saves
+them.
 
 The initial weights are set here, the same full tensors at every world size (`same_initial_weights`): on CPU,
 DTensor's random initialization is not single-device consistent (each rank draws its shard from the same local

@@ -51,9 +51,9 @@ from ..step.slot import STEP_SLOT
 logger = logging.getLogger(__name__)
 
 __all__ = (
+    "ROUTED_FIELDS",
     "BlockDiagCPAttention",
     "BlockDiagCPConverter",
-    "ROUTED_FIELDS",
     "route_attention",
     "routed_inner_attention",
     "sliding_window_of",
