@@ -1,0 +1,192 @@
+"""NeMo AutoModel runs for tests/stacks/test_automodel.py: tiny models of two families, packed rows as AutoModel's
+packed collator gives them (pre-shifted ``labels``, ``position_ids`` restarting per document, ``_packed_seq_ids``),
+each document alone as the reference, and the gloo workers that run AutoModel's own CP code (its mesh, its sharder
+resolution, its token verbs, its recipe's train step) on them. Nothing is downloaded: random weights, random tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from blockdiag_cp.testing.oracle import doc_ids_from_lengths
+
+VOCAB = 64
+IGNORE = -100
+#: AutoModel's own blockdiag reference (the seed's home) as a transformers attention implementation
+AUTOMODEL_REFERENCE = "automodel_blockdiag"
+
+
+def model_config(family: str):
+    """A 2-layer model of `family` (GQA: 4 query heads, 2 key/value heads), float64-sized for exact comparisons."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+    if family == "llama":
+        return transformers.LlamaConfig(**common)
+    if family == "qwen3":
+        return transformers.Qwen3Config(head_dim=8, **common)
+    if family == "mistral":
+        return transformers.MistralConfig(sliding_window=7, **common)
+    raise ValueError(f"no tiny {family}")
+
+
+def build(family: str, attn: str = "sdpa") -> torch.nn.Module:
+    """The family's tiny causal LM with seeded random weights (the same on every rank), float64."""
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(model_config(family), attn_implementation=attn,
+                                                         dtype=torch.float64)
+
+
+def packed_batch(segments: Sequence[int], seed: int = 1) -> dict[str, torch.Tensor]:
+    """AutoModel's packed row of `segments` (n > 0: a document of n tokens, -n: n padding tokens): ``input_ids``,
+    next-token ``labels`` already shifted (-100 at each document's last token and on padding), ``position_ids``
+    restarting at every document and padding run, ``_packed_seq_ids`` (0 = padding); all ``[1, S]``."""
+    doc_ids = doc_ids_from_lengths(segments)
+    S = doc_ids.numel()
+    ids = torch.randint(1, VOCAB, (S,), generator=torch.Generator().manual_seed(seed))
+    ids[doc_ids == 0] = 0
+    labels = torch.full((S,), IGNORE)
+    same_doc = (doc_ids[1:] == doc_ids[:-1]) & (doc_ids[1:] != 0)
+    labels[:-1] = torch.where(same_doc, ids[1:], IGNORE)
+    positions = torch.cat([torch.arange(abs(n)) for n in segments])
+    return {"input_ids": ids[None], "labels": labels[None], "position_ids": positions[None],
+            "_packed_seq_ids": doc_ids[None]}
+
+
+def label_count(batch: dict) -> int:
+    return int((batch["labels"] != IGNORE).sum())
+
+
+def loss_fn():
+    """AutoModel's loss, float64 kept (its default upcasts to float32)."""
+    from nemo_automodel.components.loss.masked_ce import MaskedCrossEntropy
+
+    return MaskedCrossEntropy(fp32_upcast=False)
+
+
+@dataclass(frozen=True)
+class Alone:
+    """Each document run alone: logits ``[1, S, V]`` (0 on padding), the token-mean loss, every parameter's grad."""
+
+    logits: torch.Tensor
+    loss: float
+    grads: dict
+
+
+def each_document_alone(family: str, segments: Sequence[int]) -> Alone:
+    """The reference: every document of the row through the family's SDPA attention alone (eager softmaxes in float32), AutoModel's loss over
+    the row's label count."""
+    model = build(family)
+    batch = packed_batch(segments)
+    doc_ids = batch["_packed_seq_ids"][0]
+    count = label_count(batch)
+    logits = torch.zeros(1, doc_ids.numel(), VOCAB, dtype=torch.float64)
+    loss = torch.zeros((), dtype=torch.float64)
+    for doc in doc_ids.unique().tolist():
+        if doc == 0:
+            continue
+        where = (doc_ids == doc).nonzero().flatten()
+        out = model(input_ids=batch["input_ids"][:, where], position_ids=batch["position_ids"][:, where],
+                    use_cache=False).logits
+        logits[:, where] = out.detach()
+        loss = loss + loss_fn()(out, batch["labels"][:, where], num_label_tokens=count)
+    loss.backward()
+    return Alone(logits, float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()})
+
+
+def automodel_mesh(cp: int):
+    """AutoModel's own FSDP2 device mesh (dp_replicate, dp_shard, cp, tp and the flattened dp / dp_cp axes) over
+    the gloo world, cp ranks per CP group."""
+    from nemo_automodel.recipes._dist_utils import create_distributed_setup_from_config
+
+    return create_distributed_setup_from_config(strategy="fsdp2", cp_size=cp).mesh_context.device_mesh
+
+
+def reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention through AutoModel's ``cp_blockdiag_sdpa`` (its blockdiag reference's kernel)."""
+    from nemo_automodel.components.distributed.blockdiag_cp import cp_blockdiag_sdpa
+
+    out = cp_blockdiag_sdpa(query, key, value, is_causal=True, scale=scaling,
+                            enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def reference_hook(batch: dict, *, num_chunks: int = 1) -> dict:
+    """The model hook AutoModel's Qwen3.5-MoE uses for its blockdiag path, primary stream sharded by the step."""
+    from nemo_automodel.components.distributed.blockdiag_cp import make_cp_blockdiag_batch_and_ctx
+    from nemo_automodel.components.distributed.context_parallel.sharder import (ContextParallelSharder,
+                                                                                contiguous_local_indices)
+
+    return {"cp_sharder": ContextParallelSharder(shard_batch=make_cp_blockdiag_batch_and_ctx,
+                                                 local_token_global_indices=contiguous_local_indices)}
+
+
+def path_model(family: str, path: str) -> torch.nn.Module:
+    """``"blockdiag_cp"``: the family's model enabled by this library's integration; ``"automodel"``: the same
+    weights through AutoModel's own blockdiag reference (its kernel and its model-owned sharder)."""
+    from blockdiag_cp.integrations.automodel import enable
+
+    if path == "blockdiag_cp":
+        return enable(build(family))
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(AUTOMODEL_REFERENCE, reference_attention)
+    model = build(family, AUTOMODEL_REFERENCE)
+    model.prepare_model_inputs_for_cp = reference_hook
+    return model
+
+
+def sharder_worker(rank: int, world: int, family: str, segments: Sequence[int], path: str) -> dict[str, Any]:
+    """One forward and backward of the row through AutoModel's sharder resolution (``ContextParallelSharder(model,
+    device_mesh, batch)``), ``shard``, the model call the recipe makes, its loss, then its token verbs: the logits
+    gathered (``gather_token_tensor(trim=True)``), the full row's labels and positions sharded
+    (``shard_token_tensor``) beside what the step sharded; losses and grads summed over the CP group."""
+    from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder
+    from nemo_automodel.components.utils.model_utils import filter_forward_kwargs
+
+    mesh = automodel_mesh(world)
+    model = path_model(family, path)
+    batch = packed_batch(segments)
+    full = {k: batch[k].clone() for k in ("labels", "position_ids", "_packed_seq_ids")}
+    count = label_count(batch)
+    sharder = ContextParallelSharder(model, mesh, batch)
+    train_ctx, batch = sharder.shard(batch)
+    labels = batch.pop("labels")
+    with train_ctx():
+        logits = model(**filter_forward_kwargs(model, batch)).logits
+        loss = loss_fn()(logits, labels, num_label_tokens=count)
+        loss.backward()
+    group = mesh["cp"].get_group()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for g in grads.values():
+        dist.all_reduce(g, group=group)
+    layout = sharder.shard_layout
+    return {
+        "logits": sharder.gather_token_tensor(logits.detach(), seq_dim=1, trim=True),
+        "loss": float(total), "grads": grads,
+        "indices": None if layout.local_token_global_indices is None else layout.local_token_global_indices.clone(),
+        "labels_by_verb": torch.equal(sharder.shard_token_tensor(full["labels"], fill=IGNORE), labels),
+        "positions_by_verb": torch.equal(sharder.shard_token_tensor(full["position_ids"], fill=0),
+                                         batch["position_ids"]),
+        "keys": sorted(batch),
+    }
+
+
+def max_error(got: torch.Tensor, want: torch.Tensor, where: torch.Tensor | None = None) -> float:
+    if where is not None:
+        got, want = got[:, where], want[:, where]
+    return float((got - want).abs().max())
+
+
+def grad_error(got: dict, want: dict) -> float:
+    return max(float((got[n] - want[n]).abs().max()) for n in want)
+
