@@ -44,10 +44,22 @@ def build(family: str, attn: str = "sdpa") -> torch.nn.Module:
                                                          dtype=torch.float64)
 
 
-def packed_batch(segments: Sequence[int], seed: int = 1) -> dict[str, torch.Tensor]:
-    """AutoModel's packed row of `segments` (n > 0: a document of n tokens, -n: n padding tokens): ``input_ids``,
-    next-token ``labels`` already shifted (-100 at each document's last token and on padding), ``position_ids``
-    restarting at every document and padding run, ``_packed_seq_ids`` (0 = padding); all ``[1, S]``."""
+@dataclass(frozen=True)
+class Packing:
+    """AutoModel's packed-sequence contract (a structural protocol of its collator): which mask the row carries."""
+
+    packed_mask_type: str = "block_causal"
+    requires_packed_sequence_metadata: bool = False
+
+
+def packed_batch(segments: Sequence[int], mask: str = "block_causal", seed: int = 1) -> dict[str, torch.Tensor]:
+    """The packed row of `segments` (n > 0: a document of n tokens, -n: n padding tokens) as AutoModel's neat-packing
+    collator (``neat_packed_collater``) gives it: ``input_ids``, next-token ``labels`` already shifted (-100 at each
+    document's last token and on padding), ``position_ids`` restarting at every document (0 on padding, as its
+    packer writes them), the ``attention_mask`` of `mask` (``"block_causal"``: ``[1, 1, S, S]``; ``"document_ids"``: the
+    indexed ``[1, S]``) and ``_packed_seq_ids`` (0 = padding) when the row holds several documents."""
+    from nemo_automodel.components.datasets.utils import neat_packed_collater
+
     doc_ids = doc_ids_from_lengths(segments)
     S = doc_ids.numel()
     ids = torch.randint(1, VOCAB, (S,), generator=torch.Generator().manual_seed(seed))
@@ -55,9 +67,9 @@ def packed_batch(segments: Sequence[int], seed: int = 1) -> dict[str, torch.Tens
     labels = torch.full((S,), IGNORE)
     same_doc = (doc_ids[1:] == doc_ids[:-1]) & (doc_ids[1:] != 0)
     labels[:-1] = torch.where(same_doc, ids[1:], IGNORE)
-    positions = torch.cat([torch.arange(abs(n)) for n in segments])
-    return {"input_ids": ids[None], "labels": labels[None], "position_ids": positions[None],
-            "_packed_seq_ids": doc_ids[None]}
+    positions = torch.cat([torch.arange(n) if n > 0 else torch.zeros(-n, dtype=torch.long) for n in segments])
+    sample = {"input_ids": ids, "labels": labels, "position_ids": positions, "attention_mask": doc_ids}
+    return neat_packed_collater([sample], packing=Packing(mask))
 
 
 def label_count(batch: dict) -> int:
@@ -80,12 +92,12 @@ class Alone:
     grads: dict
 
 
-def each_document_alone(family: str, segments: Sequence[int]) -> Alone:
+def each_document_alone(family: str, segments: Sequence[int], mask: str = "block_causal") -> Alone:
     """The reference: every document of the row through the family's SDPA attention alone (eager softmaxes in float32), AutoModel's loss over
     the row's label count."""
     model = build(family)
-    batch = packed_batch(segments)
-    doc_ids = batch["_packed_seq_ids"][0]
+    batch = packed_batch(segments, mask)
+    doc_ids = doc_ids_from_lengths(segments)
     count = label_count(batch)
     logits = torch.zeros(1, doc_ids.numel(), VOCAB, dtype=torch.float64)
     loss = torch.zeros((), dtype=torch.float64)
@@ -110,11 +122,14 @@ def automodel_mesh(cp: int):
 
 
 def reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention through AutoModel's ``cp_blockdiag_sdpa`` (its blockdiag reference's kernel)."""
+    """transformers' SDPA attention with AutoModel's ``cp_blockdiag_sdpa`` (its blockdiag reference's kernel) in
+    place of torch's: the mask transformers built is passed on, as transformers' own SDPA path does."""
     from nemo_automodel.components.distributed.blockdiag_cp import cp_blockdiag_sdpa
 
-    out = cp_blockdiag_sdpa(query, key, value, is_causal=True, scale=scaling,
-                            enable_gqa=query.shape[1] != key.shape[1])
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+    out = cp_blockdiag_sdpa(query, key, value, attn_mask=attention_mask, is_causal=attention_mask is None,
+                            scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -143,7 +158,8 @@ def path_model(family: str, path: str) -> torch.nn.Module:
     return model
 
 
-def sharder_worker(rank: int, world: int, family: str, segments: Sequence[int], path: str) -> dict[str, Any]:
+def sharder_worker(rank: int, world: int, family: str, segments: Sequence[int], path: str,
+                   mask: str = "block_causal") -> dict[str, Any]:
     """One forward and backward of the row through AutoModel's sharder resolution (``ContextParallelSharder(model,
     device_mesh, batch)``), ``shard``, the model call the recipe makes, its loss, then its token verbs: the logits
     gathered (``gather_token_tensor(trim=True)``), the full row's labels and positions sharded
@@ -153,8 +169,8 @@ def sharder_worker(rank: int, world: int, family: str, segments: Sequence[int], 
 
     mesh = automodel_mesh(world)
     model = path_model(family, path)
-    batch = packed_batch(segments)
-    full = {k: batch[k].clone() for k in ("labels", "position_ids", "_packed_seq_ids")}
+    batch = packed_batch(segments, mask)
+    full = {k: batch[k].clone() for k in ("labels", "position_ids")}
     count = label_count(batch)
     sharder = ContextParallelSharder(model, mesh, batch)
     train_ctx, batch = sharder.shard(batch)

@@ -158,7 +158,18 @@ def enable(model: torch.nn.Module, config: Optional[CPConfig] = None) -> torch.n
     model.blockdiag_cp_config = _checked_config(config)
     model.prepare_model_inputs_for_cp = functools.partial(prepare_model_inputs_for_cp, model)
     model.register_forward_pre_hook(_model_call_inputs, with_kwargs=True)
+    _declare_capabilities(model)
     return model
+
+
+def _declare_capabilities(model: torch.nn.Module) -> None:
+    """AutoModel's capability flags for a model that owns its CP and its packed attention, and ``model.supports``
+    (its recipes read it at cp > 1; AutoModel attaches it only to models its own builder made)."""
+    from nemo_automodel._transformers.capabilities import attach_capabilities_and_validate
+
+    model._owns_cp_attention = True  # the sharder and the attention are this library's, every layer
+    model._owns_packed_attention = True  # documents are kept apart by the step, not by a mask or a backend
+    attach_capabilities_and_validate(model, None)
 
 
 def from_pretrained(pretrained_model_name_or_path: str, *, cp_layout: str = DEFAULT_CONFIG.layout,
