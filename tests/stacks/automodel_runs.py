@@ -206,3 +206,85 @@ def max_error(got: torch.Tensor, want: torch.Tensor, where: torch.Tensor | None 
 def grad_error(got: dict, want: dict) -> float:
     return max(float((got[n] - want[n]).abs().max()) for n in want)
 
+
+
+def automodel_setup(cp: int):
+    """AutoModel's distributed setup (FSDP2 strategy) over the gloo world, float64 kept by its mixed precision."""
+    from nemo_automodel.recipes._dist_utils import create_distributed_setup_from_config
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    f64 = torch.float64
+    return create_distributed_setup_from_config(
+        strategy="fsdp2", cp_size=cp,
+        mp_policy=MixedPrecisionPolicy(param_dtype=f64, reduce_dtype=f64, output_dtype=f64))
+
+
+def recipe_model(family: str, setup) -> torch.nn.Module:
+    """What the recipe's ``build_model`` does for a ``model._target_`` that is not NeMoAutoModel's (here
+    `blockdiag_cp.integrations.automodel.from_config`): call it, then AutoModel's infrastructure (FSDP2 over the
+    dp x cp ranks), on the CPU where the recipe asks ``torch.cuda.current_device()``."""
+    from nemo_automodel._transformers.infrastructure import apply_model_infrastructure, instantiate_infrastructure
+
+    from blockdiag_cp.integrations.automodel import from_config
+
+    torch.manual_seed(0)
+    model = from_config(model_config(family), torch_dtype="float64")
+    cpu = torch.device("cpu")
+    wrapper, autopipeline, parallelize_fn, qat = instantiate_infrastructure(
+        distributed_config=setup.strategy_config, pipeline_config=setup.pipeline_config,
+        moe_parallel_config=setup.moe_parallel_config, activation_checkpointing=setup.activation_checkpointing,
+        device=cpu, mesh=setup.mesh_context)
+    return apply_model_infrastructure(model, is_meta_device=False, device=cpu, mesh=setup.mesh_context,
+                                      model_wrapper=wrapper, autopipeline=autopipeline, parallelize_fn=parallelize_fn,
+                                      qat_quantizer=qat, loss_fn=None, pretrained_model_name_or_path=None,
+                                      load_base_model=False)
+
+
+def finetune_recipe(model: torch.nn.Module, setup):
+    """AutoModel's ``TrainFinetuneRecipeForNextTokenPrediction`` holding what its ``setup()`` builds for a train
+    step: the mesh, the model parts, its loss, AdamW, no scheduler, no checkpoint staging. ``setup()`` itself cannot
+    run on a CPU-only machine (its first line is ``torch.cuda.reset_peak_memory_stats()``: docs/automodel.md)."""
+    import time
+    from types import SimpleNamespace
+
+    from nemo_automodel.components.config.loader import ConfigNode
+    from nemo_automodel.recipes.llm.train_ft import TrainFinetuneRecipeForNextTokenPrediction
+
+    recipe = object.__new__(TrainFinetuneRecipeForNextTokenPrediction)
+    recipe.cfg = ConfigNode({})
+    recipe.dist_env = SimpleNamespace(device=torch.device("cpu"), world_size=dist.get_world_size(),
+                                      is_main=dist.get_rank() == 0)
+    recipe.device_mesh, recipe.moe_mesh, recipe.pp_enabled = setup.mesh_context.device_mesh, None, False
+    recipe.distributed_config = setup.strategy_config
+    recipe.model_parts, recipe.tokenizer, recipe.loss_fn = [model], None, loss_fn()
+    recipe.domain_mixture = recipe.te_fp8 = recipe.lr_scheduler = None
+    recipe.optimizer = [torch.optim.AdamW(model.parameters(), lr=1e-2)]
+    recipe.checkpointer = SimpleNamespace(maybe_wait_for_staging=lambda: None)
+    recipe.step_scheduler = SimpleNamespace(step=0, epoch=0)
+    recipe.timestamp = time.perf_counter()
+    return recipe
+
+
+#: the rows of each train step, one per data-parallel replica (interior padding, a 1-token document, a document
+#: longer than a shard)
+STEP_ROWS = ((13, -5, 20, 9, 1, 6), (31, 4, -3, 17))
+
+
+def recipe_worker(rank: int, world: int, family: str, cp: int, steps: int) -> dict[str, Any]:
+    """`steps` train steps of AutoModel's recipe (``_run_train_optim_step``: its label count over dp, its sharder
+    resolution and train step per micro-batch, its gradient clipping, AdamW) at ``world / cp`` replicas of `cp`
+    ranks; replica ``d`` trains on ``STEP_ROWS[d]`` (one replica: every row, as micro-batches of one step). Returns the
+    logged losses and grad norms and the final parameters, whole."""
+    setup = automodel_setup(cp)
+    recipe = finetune_recipe(recipe_model(family, setup), setup)
+    dp = world // cp
+    replica = setup.mesh_context.device_mesh["dp"].get_local_rank() if dp > 1 else None
+    losses, norms = [], []
+    for step in range(steps):
+        rows = [packed_batch(seg, seed=10 * step + k) for k, seg in enumerate(STEP_ROWS)]
+        metrics = recipe._run_train_optim_step(rows if replica is None else [rows[replica]], max_grad_norm=1.0).metrics
+        losses.append(metrics["loss"])
+        norms.append(float(metrics["grad_norm"]))
+    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+              for n, p in recipe.model_parts[0].named_parameters()}
+    return {"losses": losses, "grad_norms": norms, "params": params}

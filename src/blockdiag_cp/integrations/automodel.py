@@ -91,7 +91,8 @@ def shard_batch(cp_mesh, tp_mesh, batch: dict[str, Any], *, loss_mask: Optional[
             contract: ``batch`` ``[1, S]`` ids or ``[1, S, E]`` embeddings, mutated in place to this rank's
             ``L = S_pad / cp`` positions).
         config: the step's `CPConfig`; default `DEFAULT_CONFIG` (balanced). ``layout="grouped"`` is refused.
-        shard_primary: AutoModel 0.7.0's reference flag; only True (the step shards the primary stream) is exact.
+        shard_primary: AutoModel 0.7.0's reference flag; only True (the step shards the primary stream) is exact:
+            False is a `ValueError` (a model slicing its own primary stream would not follow the plan).
 
     Returns:
         ``(train_ctx, batch, layout)``: ``train_ctx()`` opens the step (run forward *and* backward inside),
@@ -100,14 +101,9 @@ def shard_batch(cp_mesh, tp_mesh, batch: dict[str, Any], *, loss_mask: Optional[
     """
     from nemo_automodel.components.distributed.context_parallel.sharder import ShardLayout
 
-    config = _checked_config(config)
-    if shard_primary is not True:
-        raise ValueError(
-            "blockdiag-cp's AutoModel sharder got shard_primary=False: a model that embeds and shards its own "
-            "primary stream slices it by AutoModel's closed-form contiguous layout, which knows nothing of this "
-            "step's plan. Leave the primary stream (input_ids / inputs_embeds) in the batch for the step to shard")
     train_ctx, batch = make_cp_blockdiag_batch_and_ctx(cp_mesh, tp_mesh, batch, loss_mask=loss_mask,
-                                                       padding_token_id=padding_token_id, config=config)
+                                                       padding_token_id=padding_token_id,
+                                                       config=_checked_config(config), shard_primary=shard_primary)
     state = train_ctx.state
     plan = state.plan
     indices_L = plan.rank_positions(state.rank).to(device=state.device, dtype=torch.long)
