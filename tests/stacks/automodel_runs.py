@@ -52,6 +52,18 @@ class Packing:
     requires_packed_sequence_metadata: bool = False
 
 
+def automodel_llama() -> torch.nn.Module:
+    """AutoModel's own Llama implementation (``backend.attn="sdpa"``) with `build`'s Llama weights, float64 (its RoPE
+    tables stay float32: it differs from transformers' Llama by 5e-8, with or without CP)."""
+    from nemo_automodel.components.models.common import BackendConfig
+    from nemo_automodel.components.models.llama.model import LlamaForCausalLM
+
+    backend = BackendConfig(attn="sdpa", linear="torch", rms_norm="torch", rope_fusion=False)
+    own = LlamaForCausalLM(model_config("llama"), backend=backend)
+    own.load_state_dict(build("llama").state_dict())
+    return own.to(torch.float64)
+
+
 def packed_batch(segments: Sequence[int], mask: str = "block_causal", seed: int = 1) -> dict[str, torch.Tensor]:
     """The packed row of `segments` (n > 0: a document of n tokens, -n: n padding tokens) as AutoModel's neat-packing
     collator (``neat_packed_collater``) gives it: ``input_ids``, next-token ``labels`` already shifted (-100 at each
@@ -93,9 +105,9 @@ class Alone:
 
 
 def each_document_alone(family: str, segments: Sequence[int], mask: str = "block_causal") -> Alone:
-    """The reference: every document of the row through the family's SDPA attention alone (eager softmaxes in float32), AutoModel's loss over
-    the row's label count."""
-    model = build(family)
+    """The reference: every document of the row alone through the family's SDPA attention (eager softmaxes in
+    float32), AutoModel's loss over the row's label count. ``family="automodel_llama"``: AutoModel's own Llama."""
+    model = automodel_llama() if family == "automodel_llama" else build(family)
     batch = packed_batch(segments, mask)
     doc_ids = doc_ids_from_lengths(segments)
     count = label_count(batch)
@@ -144,12 +156,15 @@ def reference_hook(batch: dict, *, num_chunks: int = 1) -> dict:
 
 
 def path_model(family: str, path: str) -> torch.nn.Module:
-    """``"blockdiag_cp"``: the family's model enabled by this library's integration; ``"automodel"``: the same
-    weights through AutoModel's own blockdiag reference (its kernel and its model-owned sharder)."""
+    """``"blockdiag_cp"``: the family's model enabled by this library's integration; ``"automodel_llama"``: AutoModel's
+    own Llama implementation with the same weights, enabled; ``"automodel"``: the same weights through AutoModel's own
+    blockdiag reference (its kernel and its model-owned sharder)."""
     from blockdiag_cp.integrations.automodel import enable
 
     if path == "blockdiag_cp":
         return enable(build(family))
+    if path == "automodel_llama":
+        return enable(automodel_llama())
     from transformers import AttentionInterface
 
     AttentionInterface.register(AUTOMODEL_REFERENCE, reference_attention)
@@ -277,14 +292,15 @@ def recipe_worker(rank: int, world: int, family: str, cp: int, steps: int) -> di
     logged losses and grad norms and the final parameters, whole."""
     setup = automodel_setup(cp)
     recipe = finetune_recipe(recipe_model(family, setup), setup)
+    mask = recipe._configure_packing().packed_mask_type  # what the recipe's neat-packing collator is told to give
     dp = world // cp
     replica = setup.mesh_context.device_mesh["dp"].get_local_rank() if dp > 1 else None
     losses, norms = [], []
     for step in range(steps):
-        rows = [packed_batch(seg, seed=10 * step + k) for k, seg in enumerate(STEP_ROWS)]
+        rows = [packed_batch(seg, mask, seed=10 * step + k) for k, seg in enumerate(STEP_ROWS)]
         metrics = recipe._run_train_optim_step(rows if replica is None else [rows[replica]], max_grad_norm=1.0).metrics
         losses.append(metrics["loss"])
         norms.append(float(metrics["grad_norm"]))
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
               for n, p in recipe.model_parts[0].named_parameters()}
-    return {"losses": losses, "grad_norms": norms, "params": params}
+    return {"losses": losses, "grad_norms": norms, "params": params, "mask": mask}

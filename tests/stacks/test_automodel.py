@@ -66,6 +66,14 @@ def test_sharder_exact_and_equal_to_automodel_reference(rank_pools, family, worl
 
 
 @pytest.mark.slow
+def test_automodel_own_llama_at_cp3(rank_pools):
+    """AutoModel's own Llama implementation (``backend.attn="sdpa"``: it calls transformers' attention interface)."""
+    alone = runs.each_document_alone("automodel_llama", SEGMENTS)
+    for result in rank_pools(3).run(runs.sharder_worker, "llama", SEGMENTS, "automodel_llama"):
+        assert_equals_alone(result, alone)
+
+
+@pytest.mark.slow
 def test_indexed_mask_at_cp2(rank_pools):
     """AutoModel's other packed mask (the indexed ``[1, S]`` one) reaches the step's document ids."""
     alone = runs.each_document_alone("llama", SEGMENTS, "document_ids")
@@ -95,6 +103,7 @@ def test_cp1_keeps_documents_apart(rank_pools, mask):
 def test_recipe_train_step_equals_without_cp(rank_pools, family, world, cp):
     tol = TOL_WORLD3 if world == 3 else {"first": TOL, "steps": TOL_STEPS, "params": TOL_STEPS}
     reference = rank_pools(1).run(runs.recipe_worker, family, 1, 2)[0]
+    assert reference["mask"] == "document_ids"  # enable() asked AutoModel's collator for [B, S] ids
     for result in rank_pools(world).run(runs.recipe_worker, family, cp, 2):
         for key in ("losses", "grad_norms"):
             assert result[key][0] == pytest.approx(reference[key][0], rel=tol["first"], abs=0)
@@ -119,6 +128,10 @@ def test_refusals_by_name():
     other.backend = type("BackendConfig", (), {"attn": "te"})()
     with pytest.raises(ValueError, match="backend.attn"):
         automodel.enable(other)
+    vlm = runs.build("llama")
+    vlm.config.vision_config = {"depth": 1}
+    with pytest.raises(ValueError, match="vision-language"):
+        automodel.enable(vlm)
 
 
 def test_three_output_form_at_world_one():

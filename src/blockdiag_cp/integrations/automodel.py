@@ -31,6 +31,9 @@ Each piece goes in through an extension point AutoModel already has; nothing of 
   library's step (`make_cp_blockdiag_batch_and_ctx`, ``layout="balanced"`` unless configured) and reports
   the plan's positions of this rank as the layout's ``local_token_global_indices``, so AutoModel's token
   verbs shard and gather every other tensor exactly as the step sharded the batch.
+* the data: `enable` declares AutoModel's packing capabilities (``packed_mask_type = "document_ids"``: its
+  neat-packing collator then gives ``[B, S]`` document ids, never an ``S x S`` mask; ``_owns_cp_attention``;
+  ``model.supports``, which its recipe reads at cp > 1 and attaches only to models its own builder made).
 * the step's metadata: the sharded batch keeps ``padding_mask`` and ``_packed_seq_ids`` (the seed's
   contract); the recipe hands every batch key to the model, so `enable`'s forward pre-hook takes them out of
   the model call inside a step (the step already holds the documents). At cp 1 AutoModel calls no hook and
@@ -149,7 +152,8 @@ def enable(model: torch.nn.Module, config: Optional[CPConfig] = None) -> torch.n
     if getattr(model, "blockdiag_cp_config", None) is not None:
         raise ValueError("blockdiag-cp: enable(model) was already called on this model")
     check_attention(model)
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    _refuse_vision(model)
+    _route_attention(model)
     prepare_model(model, "in blockdiag_cp.integrations.automodel.enable")
     model.blockdiag_cp_config = _checked_config(config)
     model.prepare_model_inputs_for_cp = functools.partial(prepare_model_inputs_for_cp, model)
@@ -165,6 +169,7 @@ def _declare_capabilities(model: torch.nn.Module) -> None:
 
     model._owns_cp_attention = True  # the sharder and the attention are this library's, every layer
     model._owns_packed_attention = True  # documents are kept apart by the step, not by a mask or a backend
+    model.packed_mask_type = "document_ids"  # the packed collator's [B, S] ids, never an S x S mask
     attach_capabilities_and_validate(model, None)
 
 
@@ -194,6 +199,30 @@ def from_config(config: Any, *, cp_layout: str = DEFAULT_CONFIG.layout, cp_confi
         config = AutoConfig.from_pretrained(config, **{k: kwargs.pop(k) for k in hf.load.HUB_ARGUMENTS if k in kwargs})
     model = hf.from_config(config, model_class, **_load_kwargs(kwargs))
     return enable(model, _config_of(cp_layout, cp_config))
+
+
+def _route_attention(model: torch.nn.Module) -> None:
+    """``attn_implementation="blockdiag_cp"``: through transformers for its models; on the config for AutoModel's own
+    implementations (its Llama, Qwen2, Qwen3 read ``config._attn_implementation`` at every call, but transformers
+    will not switch a class that does not declare the attention interface). `ValueError` when it does not take."""
+    if getattr(model, "backend", None) is None:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    else:
+        model.config._attn_implementation = ATTN_IMPLEMENTATION
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        raise ValueError(f"blockdiag-cp: {type(model).__name__} kept attn_implementation="
+                         f"{model.config._attn_implementation!r}; its attention cannot be routed through blockdiag-cp")
+
+
+def _refuse_vision(model: torch.nn.Module) -> None:
+    """`ValueError` for a vision-language model: AutoModel's VLM recipe hands its sharder raw pixels and token ids
+    (images merged inside the model's forward, after the step sharded the row); not verified under this sharder."""
+    config = getattr(model, "config", None)
+    if getattr(config, "vision_config", None) is not None:
+        raise ValueError(f"blockdiag-cp's AutoModel sharder does not take vision-language models yet "
+                         f"({type(model).__name__}): AutoModel merges the images inside the model's forward, after "
+                         "the step sharded the row. Train VLM rows with blockdiag_cp.hf.make_cp_vlm_batch_and_ctx "
+                         "(docs/vlm.md)")
 
 
 def check_attention(model: torch.nn.Module) -> None:
