@@ -52,7 +52,6 @@ not go through transformers' attention interface (``backend.attn`` must be ``"sd
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable, ContextManager, Optional
 
@@ -66,7 +65,7 @@ from ..step.doc_ids import resolve_doc_ids
 from ..step.slot import current_step
 
 __all__ = (
-    "DEFAULT_CONFIG",
+    "DEFAULT_LAYOUT",
     "STEP_METADATA_KEYS",
     "enable",
     "from_config",
@@ -76,8 +75,8 @@ __all__ = (
     "shard_batch",
 )
 
-#: the step AutoModel's models get unless configured: the library's own entries plan ``balanced``
-DEFAULT_CONFIG = CPConfig(layout="balanced")
+#: the layout AutoModel's models get unless configured: the library's own entries plan ``balanced``
+DEFAULT_LAYOUT = "balanced"
 #: batch keys the step shards for AutoModel's loss and MoE code that the model call must not get inside a step
 STEP_METADATA_KEYS = ("padding_mask", "_packed_seq_ids", "loss_mask")
 #: AutoModel backends whose attention goes through transformers' attention interface (so through this library)
@@ -93,7 +92,8 @@ def shard_batch(cp_mesh, tp_mesh, batch: dict[str, Any], *, loss_mask: Optional[
         cp_mesh, tp_mesh, batch, loss_mask, padding_token_id: as `make_cp_blockdiag_batch_and_ctx` (the seed's
             contract: ``batch`` ``[1, S]`` ids or ``[1, S, E]`` embeddings, mutated in place to this rank's
             ``L = S_pad / cp`` positions).
-        config: the step's `CPConfig`; default `DEFAULT_CONFIG` (balanced). ``layout="grouped"`` is refused.
+        config: the step's `CPConfig`; default ``CPConfig(layout=DEFAULT_LAYOUT)`` (balanced). ``layout="grouped"``
+            is refused.
         shard_primary: AutoModel 0.7.0's reference flag; only True (the step shards the primary stream) is exact:
             False is a `ValueError` (a model slicing its own primary stream would not follow the plan).
 
@@ -173,7 +173,7 @@ def _declare_capabilities(model: torch.nn.Module) -> None:
     attach_capabilities_and_validate(model, None)
 
 
-def from_pretrained(pretrained_model_name_or_path: str, *, cp_layout: str = DEFAULT_CONFIG.layout,
+def from_pretrained(pretrained_model_name_or_path: str, *, cp_layout: str = DEFAULT_LAYOUT,
                     cp_config: Optional[CPConfig] = None, model_class: Any = None, **kwargs: Any) -> torch.nn.Module:
     """A ``model._target_`` for AutoModel's recipes: `blockdiag_cp.hf.from_pretrained`, then `enable`.
 
@@ -187,7 +187,7 @@ def from_pretrained(pretrained_model_name_or_path: str, *, cp_layout: str = DEFA
     return enable(model, _config_of(cp_layout, cp_config))
 
 
-def from_config(config: Any, *, cp_layout: str = DEFAULT_CONFIG.layout, cp_config: Optional[CPConfig] = None,
+def from_config(config: Any, *, cp_layout: str = DEFAULT_LAYOUT, cp_config: Optional[CPConfig] = None,
                 model_class: Any = None, **kwargs: Any) -> torch.nn.Module:
     """A ``model._target_`` for AutoModel's recipes: random weights from `config` (a transformers config, or a
     name or path to read one from), `blockdiag_cp.hf.from_config`, then `enable`."""
@@ -267,7 +267,7 @@ def _documents_as_lengths(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _checked_config(config: Optional[CPConfig]) -> CPConfig:
-    config = DEFAULT_CONFIG if config is None else config
+    config = CPConfig(layout=DEFAULT_LAYOUT) if config is None else config
     if not isinstance(config, CPConfig):
         raise CPTypeError(f"config must be a CPConfig, got {type(config).__name__}")
     if config.layout == "grouped":
@@ -277,9 +277,7 @@ def _checked_config(config: Optional[CPConfig]) -> CPConfig:
 
 
 def _config_of(cp_layout: str, cp_config: Optional[CPConfig]) -> CPConfig:
-    if cp_config is not None:
-        return cp_config
-    return dataclasses.replace(DEFAULT_CONFIG, layout=cp_layout)
+    return CPConfig(layout=cp_layout) if cp_config is None else cp_config
 
 
 def _load_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
