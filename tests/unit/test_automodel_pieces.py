@@ -26,11 +26,14 @@ def tiny_llama(attn: str):
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float64)
 
 
-def packed_row():
-    """AutoModel's packed row: restarting positions (0 on padding), ``_packed_seq_ids``, a 4-D block-causal mask."""
+def packed_row(restarting: bool = True):
+    """AutoModel's packed row: positions restarting per document (0 on padding; else the row's 0..S-1, as for chunks
+    of longer documents: only the ids mark the documents), ``_packed_seq_ids``, a 4-D block-causal mask."""
     doc_ids = doc_ids_from_lengths(SEGMENTS)
     ids = torch.randint(1, 32, (1, doc_ids.numel()), generator=torch.Generator().manual_seed(0))
     positions = torch.cat([torch.arange(n) if n > 0 else torch.zeros(-n, dtype=torch.long) for n in SEGMENTS])
+    if not restarting:
+        positions = torch.arange(doc_ids.numel())
     return {"input_ids": ids, "position_ids": positions[None], "_packed_seq_ids": doc_ids[None],
             "attention_mask": block_causal_mask(doc_ids[None]).unsqueeze(1)}
 
@@ -46,10 +49,12 @@ def alone_logits(row) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("drop", [(), ("_packed_seq_ids",), ("attention_mask",)])
-def test_cp1_model_call_keeps_documents_apart(drop):
-    """At cp 1 AutoModel hands the model the collator's row; the pre-hook passes its documents as lengths."""
-    row = packed_row()
+@pytest.mark.parametrize("drop,restarting", [((), True), (("_packed_seq_ids",), True), (("attention_mask",), True),
+                                             (("attention_mask",), False)])
+def test_cp1_model_call_keeps_documents_apart(drop, restarting):
+    """At cp 1 AutoModel hands the model the collator's row; the pre-hook passes its documents as lengths (with
+    positions that do not restart, only ``_packed_seq_ids`` marks them)."""
+    row = packed_row(restarting)
     want = alone_logits(row)
     model = tiny_llama(automodel.ATTN_IMPLEMENTATION)
     model.register_forward_pre_hook(automodel._model_call_inputs, with_kwargs=True)
