@@ -29,8 +29,8 @@ from blockdiag_cp import CPConfig, make_cp_blockdiag_batch_and_ctx, plan_shards 
 from blockdiag_cp.integrations import automodel  # noqa: E402
 from blockdiag_cp.testing.oracle import doc_ids_from_lengths  # noqa: E402
 
-#: interior padding, a 1-token document, a document straddling ranks
-SEGMENTS = (13, -5, 20, 9, 1, 6)
+#: interior padding, a 1-token document, a document straddling ranks; 55 tokens: CP pads the row at cp 2 and 3
+SEGMENTS = (13, -5, 20, 9, 1, 7)
 TOL = 1e-12
 #: after an AdamW step: its update divides by sqrt(v) + 1e-8, so a gradient's last bits (1e-16) move a parameter by up
 #: to lr * 1e-16 / 1e-8
