@@ -32,6 +32,12 @@ def model_config(family: str):
         return transformers.Qwen3Config(head_dim=8, **common)
     if family == "mistral":
         return transformers.MistralConfig(sliding_window=7, **common)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if family == "gemma2":
+        return transformers.Gemma2Config(head_dim=8, sliding_window=7, query_pre_attn_scalar=8, **common)
+    if family == "phi3":
+        return transformers.Phi3Config(pad_token_id=0, **common)
     raise ValueError(f"no tiny {family}")
 
 

@@ -10,6 +10,7 @@ verbs, its loss, and its fine-tuning recipe's train step (``_run_train_optim_ste
   parameter's gradient equal each document run alone (1e-12); the layout's indices are this library's balanced plan;
   AutoModel's token verbs shard the full labels and positions exactly as the step did; AutoModel's own blockdiag
   reference (its kernel, its contiguous sharder) on the same row and weights gives the same numbers;
+* Mistral's sliding window at cp 2: exact, where AutoModel's reference kernel attends past the window;
 * cp 1 (AutoModel calls no hook and hands the model the collator's row): exact with both of its masks, where its
   reference kernel lets documents see each other under the indexed mask;
 * the recipe's train step at cp 2 (llama) and cp 3 (qwen3), and at dp 2 x cp 2 under FSDP2, two steps: losses and
@@ -71,6 +72,18 @@ def test_automodel_own_llama_at_cp3(rank_pools):
     alone = runs.each_document_alone("automodel_llama", SEGMENTS)
     for result in rank_pools(3).run(runs.sharder_worker, "llama", SEGMENTS, "automodel_llama"):
         assert_equals_alone(result, alone)
+
+
+@pytest.mark.slow
+def test_sliding_window_at_cp2(rank_pools):
+    """Mistral (every layer a sliding window of 7): exact; AutoModel's reference kernel drops the window."""
+    alone = runs.each_document_alone("mistral", SEGMENTS)
+    pool = rank_pools(2)
+    for result in pool.run(runs.sharder_worker, "mistral", SEGMENTS, "blockdiag_cp"):
+        assert_equals_alone(result, alone)
+    real = doc_ids_from_lengths(SEGMENTS) != 0
+    for result in pool.run(runs.sharder_worker, "mistral", SEGMENTS, "automodel"):
+        assert runs.max_error(result["logits"], alone.logits, real) > 1e-2
 
 
 @pytest.mark.slow
