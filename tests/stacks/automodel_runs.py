@@ -309,4 +309,18 @@ def recipe_worker(rank: int, world: int, family: str, cp: int, steps: int) -> di
         norms.append(float(metrics["grad_norm"]))
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
               for n, p in recipe.model_parts[0].named_parameters()}
-    return {"losses": losses, "grad_norms": norms, "params": params, "mask": mask}
+    return {"losses": losses, "grad_norms": norms, "params": params, "mask": mask,
+            "eval_loss": eval_loss(recipe, packed_batch(STEP_ROWS[1], mask, seed=99), setup)}
+
+
+def eval_loss(recipe, row: dict, setup) -> float:
+    """The recipe's validation forward (``_forward_backward_step(is_train=False)`` under no_grad, as its
+    ``_run_validation_epoch`` runs it) of one row, summed over the CP group."""
+    buffer: list = []
+    with torch.no_grad():
+        recipe._forward_backward_step(0, row, loss_buffer=buffer, num_label_tokens=label_count(row), num_batches=1,
+                                      is_train=False)
+    total = buffer[0].detach().clone()
+    if setup.mesh_context.cp_size > 1:
+        dist.all_reduce(total, group=setup.mesh_context.device_mesh["cp"].get_group())
+    return float(total)

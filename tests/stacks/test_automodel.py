@@ -15,7 +15,8 @@ verbs, its loss, and its fine-tuning recipe's train step (``_run_train_optim_ste
   reference kernel lets documents see each other under the indexed mask;
 * the recipe's train step at cp 2 (llama) and cp 3 (qwen3), and at dp 2 x cp 2 under FSDP2, two steps: losses and
   grad norms equal the same recipe without CP (one rank, the rows as micro-batches): the first step to 1e-12, after
-  AdamW's step 1e-8 (at world 3 the float32 rule: AutoModel's FSDP2 over 3 ranks differs that much without CP too);
+  AdamW's step 1e-8, then the recipe's validation forward (at world 3 the float32 rule: AutoModel's FSDP2 over 3 ranks
+  differs that much without CP too);
 * refusals by name, before any collective.
 """
 
@@ -122,6 +123,7 @@ def test_recipe_train_step_equals_without_cp(rank_pools, family, world, cp):
             assert result[key][0] == pytest.approx(reference[key][0], rel=tol["first"], abs=0)
             assert result[key] == pytest.approx(reference[key], rel=tol["steps"], abs=0)
         assert runs.grad_error(result["params"], reference["params"]) < tol["params"]
+        assert result["eval_loss"] == pytest.approx(reference["eval_loss"], rel=tol["steps"], abs=0)
 
 
 def test_refusals_by_name():

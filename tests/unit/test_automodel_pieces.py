@@ -87,8 +87,9 @@ def test_config_checks():
         automodel._checked_config(CPConfig(layout="grouped"))
     with pytest.raises(CPTypeError):
         automodel._checked_config({"layout": "balanced"})
-    assert automodel._load_kwargs({"torch_dtype": "bfloat16", "dtype": "torch.float32", "x": 1}) == {
-        "torch_dtype": torch.bfloat16, "dtype": torch.float32, "x": 1}
+    assert automodel._load_kwargs({"torch_dtype": "bfloat16", "x": 1}) == {"dtype": torch.bfloat16, "x": 1}
+    assert automodel._load_kwargs({"dtype": "torch.float32"}) == {"dtype": torch.float32}
+    assert automodel._load_kwargs({"dtype": "auto"}) == {"dtype": "auto"}
 
 
 def test_seed_entry_shard_primary():

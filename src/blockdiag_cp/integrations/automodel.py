@@ -281,9 +281,10 @@ def _config_of(cp_layout: str, cp_config: Optional[CPConfig]) -> CPConfig:
 
 
 def _load_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """YAML's strings for dtypes (``torch_dtype: bfloat16``) as torch dtypes."""
+    """YAML's strings for dtypes (``torch_dtype: bfloat16``) as torch dtypes, under transformers' ``dtype``."""
     out = dict(kwargs)
-    for key in ("torch_dtype", "dtype"):
-        if isinstance(out.get(key), str) and out[key] != "auto":
-            out[key] = getattr(torch, out[key].removeprefix("torch."))
+    if "torch_dtype" in out and "dtype" not in out:
+        out["dtype"] = out.pop("torch_dtype")
+    if isinstance(out.get("dtype"), str) and out["dtype"] != "auto":
+        out["dtype"] = getattr(torch, out["dtype"].removeprefix("torch."))
     return out
