@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The stacks' own tests (issue #48), each in a venv of its own: axolotl, LLaMA-Factory and torchtitan pin
-# transformers / trl / accelerate / datasets versions that cannot share the main test venv (and each other's).
+# The stacks' own tests (issues #48, #55), each in a venv of its own: axolotl, LLaMA-Factory, torchtitan and NeMo
+# AutoModel pin transformers / trl / accelerate / datasets versions that cannot share the main test venv (and each
+# other's).
 #
-#   bash tests/stacks/run.sh [axolotl] [llamafactory] [torchtitan]    # default: all three
+#   bash tests/stacks/run.sh [axolotl] [llamafactory] [torchtitan] [automodel]    # default: all four
 #
 # Per stack: .venv-<stack> (made once, reused), torch pinned first (never let pip pick torch: it would fetch a
 # CUDA build), the stack's extra from pyproject.toml, then `pytest tests/stacks/test_<stack>.py`. Exit status: the
@@ -28,10 +29,14 @@ install() {  # install <stack>: venv, torch pinned, the extra (and whatever the 
         "$venv/bin/pip" uninstall --quiet -y torchvision
         rm -f "$venv"/lib/python3*/site-packages/torchaudio/lib/*.so
     fi
+    if [ "$stack" = automodel ]; then
+        # nemo-automodel's own requirements include CUDA-only packages; its CP and recipe modules are pure Python
+        "$venv/bin/pip" install --quiet --no-deps nemo-automodel==0.7.0 || return 1
+    fi
 }
 
 status=0
-for stack in "${@:-axolotl llamafactory torchtitan}"; do
+for stack in "${@:-axolotl llamafactory torchtitan automodel}"; do
     for s in $stack; do
         t0=$SECONDS
         if ! install "$s"; then
