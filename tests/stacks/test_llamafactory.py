@@ -1,6 +1,6 @@
 """LLaMA-Factory's SFT workflow (``neat_packing``) through blockdiag_cp.integrations.llamafactory, against itself.
 
-YAML configs written here for tiny models of two families (a Llama and a Qwen3, random weights saved from a
+YAML configs written here for tiny models of three families (Llama, Qwen3, Gemma3; random weights saved from a
 config) with a character-level tokenizer and a local dataset registered in a local ``dataset_info.json`` (nothing
 is downloaded). Each config runs twice, at the same dp:
 
@@ -71,11 +71,12 @@ LORA = dict(finetuning_type="lora", lora_target="all", lora_rank=4, lora_alpha=8
 FREEZE = dict(finetuning_type="freeze", freeze_trainable_layers=1, freeze_trainable_modules="all")
 #: name -> (model family, changes to CONFIG): the configs of each dp, run by LLaMA-Factory and the entry
 RUNS = {
-    1: {"lora": ("llama", {**LORA, "max_steps": 3, "save_strategy": "steps", "save_steps": 2}),
+    1: {"lora": ("llama", {**LORA, "max_steps": 3, "save_strategy": "steps", "save_steps": 2,
+                           "lr_scheduler_type": "cosine", "warmup_ratio": 0.1}),  # as LLaMA-Factory's examples
         # cutoff_len 100: LLaMA-Factory's collator pads input_ids to a multiple of 8, not position_ids
         "freeze": ("qwen3", {**FREEZE, "cutoff_len": 100, "learning_rate": 2e-3}),
         "zero2_lora": ("qwen3", {**LORA, "deepspeed": "ds_z2.json", "use_reentrant_gc": False}),
-        "zero3_full": ("llama", {"deepspeed": "ds_z3.json"})},
+        "zero3_full": ("gemma3", {"deepspeed": "ds_z3.json"})},
     2: {"ddp_lora": ("qwen3", {**LORA, "disable_gradient_checkpointing": True}),
         "zero2_full": ("llama", {"deepspeed": "ds_z2.json"}),
         "zero3_lora": ("qwen3", {**LORA, "deepspeed": "ds_z3.json"})},
@@ -94,6 +95,9 @@ def tiny_model(family: str, vocab_size: int):
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     if family == "qwen3":  # per-head q/k norms, an explicit head_dim, tied embeddings
         return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True))
+    if family == "gemma3":  # sliding and full layers (the window, 4096 by default, is longer than the rows), q/k norms,
+        # GeGLU, scaled and tied embeddings
+        return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**common, head_dim=8))
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -108,7 +112,7 @@ def tiny_stack(root: pathlib.Path) -> dict:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
     tok.decoder = decoders.Fuse()
-    for family in ("llama", "qwen3"):
+    for family in ("llama", "qwen3", "gemma3"):
         transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
                                             eos_token="</s>").save_pretrained(root / family)
         tiny_model(family, len(vocab)).save_pretrained(root / family)
@@ -376,3 +380,16 @@ def test_neat_packing_documents_are_read_exactly_or_refused():
     assert padded_positions(short, mask) is short  # a column it would add holds a token: left for the check
     with pytest.raises(ValueError, match="position_ids"):
         neat_packing_documents(mask, padded_positions(short, mask))
+
+
+def test_the_sliding_window_a_model_attends_within_is_read_from_its_config():
+    import transformers
+
+    from blockdiag_cp.integrations.llamafactory import sliding_window
+
+    assert sliding_window(transformers.MistralConfig(sliding_window=24)) == 24
+    assert sliding_window(transformers.MistralConfig(sliding_window=None)) is None
+    assert sliding_window(transformers.Gemma3TextConfig(sliding_window=512)) == 512  # its sliding layers
+    assert sliding_window(transformers.Gemma3TextConfig(sliding_window=512, layer_types=["full_attention"] * 26)) is None
+    assert sliding_window(transformers.Qwen2Config(sliding_window=4096, use_sliding_window=False)) is None
+    assert sliding_window(transformers.LlamaConfig()) is None

@@ -54,7 +54,8 @@ def test_the_default_of_every_option_is_accepted(defaults):
 
 
 def test_every_verified_option_names_tests_that_exist():
-    tables = (options.TRAINING_ARGUMENTS, options.SFT_CONFIG, options.DPO_CONFIG, options.GRPO_CONFIG)
+    tables = (options.TRAINING_ARGUMENTS, options.FORMER_TRAINING_ARGUMENTS, options.SFT_CONFIG, options.DPO_CONFIG,
+              options.GRPO_CONFIG)
     for table in tables:
         for name, rule in table.items():
             if rule.verdict != options.VERIFIED:

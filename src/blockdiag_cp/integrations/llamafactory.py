@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import logging
 import sys
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
@@ -45,6 +46,8 @@ import transformers
 
 from ..step.slot import current_step
 from ..trainer import BlockDiagCPMixin
+
+logger = logging.getLogger(__name__)
 
 #: the YAML key this entry adds to LLaMA-Factory's config
 CP_SIZE_KEY = "blockdiag_cp_size"
@@ -145,6 +148,13 @@ class LlamaFactoryCPTrainer(BlockDiagCPMixin, _lf_trainer_class()):
 
     def __init__(self, *args: Any, data_collator: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, data_collator=NeatPackedDocuments(data_collator), **kwargs)
+        window = sliding_window(getattr(self.model, "config", None))
+        if window is not None:
+            logger.warning(
+                "blockdiag-cp: the model attends within a sliding window of %d tokens, and so does each packed document "
+                "under CP (as the model, and LLaMA-Factory's FlashAttention-2 path, define it); LLaMA-Factory's own "
+                "sdpa/eager run with neat_packing replaces the window by its dense block-diagonal mask, so a document "
+                "longer than %d tokens trains differently there (docs/llamafactory.md)", window, window)
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
         """The Trainer's token count of a step, divided by ``cp_size`` where transformers does not (the ``cp`` ranks
@@ -165,6 +175,15 @@ class LlamaFactoryCPTrainer(BlockDiagCPMixin, _lf_trainer_class()):
         with train_ctx():
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
+
+
+def sliding_window(config: Any) -> Optional[int]:
+    """The sliding window a model config makes some of its layers attend within, or None (no layer has one)."""
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or getattr(config, "use_sliding_window", None) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    return window if layer_types is None or "sliding_attention" in layer_types else None
 
 
 # -- options ----------------------------------------------------------------------------------------------------
