@@ -393,3 +393,5 @@ def test_the_sliding_window_a_model_attends_within_is_read_from_its_config():
     assert sliding_window(transformers.Gemma3TextConfig(sliding_window=512, layer_types=["full_attention"] * 26)) is None
     assert sliding_window(transformers.Qwen2Config(sliding_window=4096, use_sliding_window=False)) is None
     assert sliding_window(transformers.LlamaConfig()) is None
+    assert sliding_window(transformers.PretrainedConfig(sliding_window=8)) == 8  # no layer_types: every layer
+    assert sliding_window(transformers.PretrainedConfig(sliding_window=8, use_sliding_window=False)) is None
