@@ -103,6 +103,9 @@ _DEEPSPEED_UNVERIFIED = types.MappingProxyType({
     "fp16": "fp16 with DeepSpeed's loss scaler: use bf16",
     "amp": "apex AMP: use bf16",
     "sequence_parallel_size": "DeepSpeed's own sequence parallelism (Ulysses): use the mixin's cp_size",
+    "sequence_parallel": "DeepSpeed's own sequence parallelism (ALST / Ulysses, LLaMA-Factory's ds_z3_alst_config): use "
+                         "the mixin's cp_size",
+    "fp8": "FP8 training (LLaMA-Factory's ds_z3_fp8_config): use bf16",
     "tensor_parallel": "DeepSpeed's tensor parallelism (AutoTP)",
     "communication_data_type": "reductions in another dtype than the gradients'",
     "offload_optimizer": "ZeRO-Offload of the optimizer",
