@@ -152,6 +152,9 @@ def launch(world: int, mode: str, yamls: list, timeout: int = 900) -> None:
     """``torchrun --nproc-per-node world llamafactory_runs.py mode *yamls`` (gloo on CPU)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         [str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    # DeepSpeed builds its shared-memory op on first use (minutes on 2 cores) into torch's extension cache; a cache of
+    # this venv's own, so that other venvs' DeepSpeed (other include paths) do not rebuild it back and forth
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(pathlib.Path(sys.prefix) / "torch_extensions"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
            str(HERE / "llamafactory_runs.py"), mode, *yamls]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=hang_timeout(timeout), cwd=ROOT, env=env)

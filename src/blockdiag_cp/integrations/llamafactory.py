@@ -25,7 +25,10 @@ its own attention; under the mixin the collator keeps the ``[B, S]`` indices ins
 ``S x S`` mask per row), and `neat_packing_documents` hands them to the mixin as
 ``_packed_seq_ids``, after checking that every document is one run of positions 0, 1, 2, ...
 The prompt tokens keep LLaMA-Factory's ``-100`` labels; the mixin shifts the labels of each
-unsharded row as the model's loss does.
+unsharded row as the model's loss does. The collator pads a packed row past ``cutoff_len`` to a
+multiple of 8 everywhere but in ``position_ids``; `padded_positions` pads those too (0, as the
+packing pads them), so any ``cutoff_len`` runs. LoRA and freeze models (PEFT's or LLaMA-Factory's
+own) and LLaMA-Factory's DeepSpeed configs go through the mixin as they come.
 
 Options whose result under CP would differ from LLaMA-Factory without it, or that no test here
 compares, are refused by name before the model loads (`refusals`), as are the Trainer's
