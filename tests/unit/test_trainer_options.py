@@ -54,7 +54,8 @@ def test_the_default_of_every_option_is_accepted(defaults):
 
 
 def test_every_verified_option_names_tests_that_exist():
-    tables = (options.TRAINING_ARGUMENTS, options.SFT_CONFIG, options.DPO_CONFIG, options.GRPO_CONFIG)
+    tables = (options.TRAINING_ARGUMENTS, options.FORMER_TRAINING_ARGUMENTS, options.SFT_CONFIG, options.DPO_CONFIG,
+              options.GRPO_CONFIG)
     for table in tables:
         for name, rule in table.items():
             if rule.verdict != options.VERIFIED:
@@ -116,6 +117,8 @@ ZERO3 = {"zero_optimization": {"stage": 3}}
     ({**ZERO3, "fp16": {"enabled": True}}, "fp16="),
     ({**ZERO3, "amp": {"enabled": True}}, "amp="),
     ({**ZERO3, "sequence_parallel_size": 2}, "sequence_parallel_size=2"),
+    ({**ZERO3, "sequence_parallel": {"enabled": True, "size": 4, "mode": "ulysses"}}, "sequence_parallel="),
+    ({**ZERO3, "fp8": {"enabled": True}}, "fp8="),
     ({**ZERO3, "tensor_parallel": {"autotp_size": 2}}, "tensor_parallel="),
     ({**ZERO3, "communication_data_type": "bf16"}, "communication_data_type='bf16'"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "offload_param="),
@@ -137,7 +140,8 @@ def test_deepspeed_configs_verified_pass(tmp_path):
     path.write_text('{"zero_optimization": {"stage": 2}, "bf16": {"enabled": true}}')
     for config in ({"zero_optimization": {"stage": 1}}, {**ZERO3, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}},
                    {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}, "sequence_parallel_size": 1,
-                    "communication_data_type": "fp32", "fp16": {"enabled": False}}, str(path)):
+                    "communication_data_type": "fp32", "fp16": {"enabled": False}, "fp8": {"enabled": False},
+                    "sequence_parallel": {"enabled": False}}, str(path)):
         args = transformers.TrainingArguments(output_dir="/tmp/blockdiag_cp_options", use_cpu=True)
         assert options.refusals(set_args(args, deepspeed=config), "rows") == [], config
 

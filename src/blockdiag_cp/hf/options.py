@@ -103,6 +103,9 @@ _DEEPSPEED_UNVERIFIED = types.MappingProxyType({
     "fp16": "fp16 with DeepSpeed's loss scaler: use bf16",
     "amp": "apex AMP: use bf16",
     "sequence_parallel_size": "DeepSpeed's own sequence parallelism (Ulysses): use the mixin's cp_size",
+    "sequence_parallel": "DeepSpeed's own sequence parallelism (ALST / Ulysses, LLaMA-Factory's ds_z3_alst_config): use "
+                         "the mixin's cp_size",
+    "fp8": "FP8 training (LLaMA-Factory's ds_z3_fp8_config): use bf16",
     "tensor_parallel": "DeepSpeed's tensor parallelism (AutoTP)",
     "communication_data_type": "reductions in another dtype than the gradients'",
     "offload_optimizer": "ZeRO-Offload of the optimizer",
@@ -283,6 +286,15 @@ TRAINING_ARGUMENTS = types.MappingProxyType({
              "turn them off under the mixin; for a loss that never holds the logits pass linear_ce=True to the mixin", "use_liger_kernel"),
 })
 
+#: ``TrainingArguments`` fields of earlier transformers 5.x that later ones dropped (LLaMA-Factory 0.9.5 pins
+#: transformers 5.6, whose LR schedule still reads ``warmup_ratio``)
+FORMER_TRAINING_ARGUMENTS = types.MappingProxyType({
+    "warmup_ratio": Rule(VERIFIED, "the schedule's warmup as a fraction of the steps, stepped from the reduced "
+                         "gradients as warmup_steps: tests/stacks/test_llamafactory.py::"
+                         "test_lora_at_cp2_equals_llamafactory_and_resumes_to_the_same_end"),
+    "logging_dir": Rule(INERT, "where the logs of a reporting integration go"),
+})
+
 #: ``SFTConfig``'s own fields (TRL 1.x)
 SFT_CONFIG = types.MappingProxyType({
     **_rules(INERT, "dataset and model preparation before training, the same with and without CP",
@@ -387,7 +399,7 @@ def rule_for(args: Any, name: str) -> Optional[Rule]:
         table = RULES_BY_CONFIG.get(cls.__name__) if cls.__module__.split(".")[0] in ("transformers", "trl") else None
         if table is not None and name in table:
             return table[name]
-    return None
+    return FORMER_TRAINING_ARGUMENTS.get(name)  # asked only for the fields `args` has
 
 
 def refusals(args: Any, kind: str) -> list[str]:
