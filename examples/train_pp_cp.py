@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import types
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -59,6 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layout", choices=("contiguous", "balanced"), default="balanced")
     p.add_argument("--checkpointing", choices=("none", "reentrant", "non_reentrant"), default="none",
                    help="activation checkpointing of every decoder layer (zero-bubble schedules: non_reentrant)")
+    p.add_argument("--static-shapes", action="store_true",
+                   help="give the stages their shapes (reentrant checkpointing needs it: torch's shape inference "
+                        "computes input gradients with autograd.grad, which reentrant checkpointing refuses)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--save", default=None, help="write losses, last gradients and final parameters here (rank 0)")
     return p.parse_args(argv)
@@ -78,7 +81,7 @@ class CausalLMStage(torch.nn.Module):
         self.embed = model.model.embed_tokens if index == 0 else None
         self.layers = torch.nn.ModuleList(layers[lo:hi])
         self.rotary = model.model.rotary_emb
-        self.norm, self.head = (model.model.norm, model.lm_head) if index == count - 1 else (None, None)
+        self.norm, self.head = (final_norm(model.model), model.lm_head) if index == count - 1 else (None, None)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed(x) if self.embed is not None else x
@@ -86,6 +89,11 @@ class CausalLMStage(torch.nn.Module):
         for layer in self.layers:
             h = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=rotary)
         return self.head(self.norm(h)) if self.head is not None else h
+
+
+def final_norm(decoder) -> torch.nn.Module:
+    """The decoder's norm after its last layer (Llama-style ``norm``; LFM2's ``embedding_norm``)."""
+    return decoder.norm if hasattr(decoder, "norm") else decoder.embedding_norm
 
 
 def stage_indices(style: str, pp: int, rank: int) -> tuple[int, ...]:
@@ -100,18 +108,35 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor, tokens: torch.Tensor
     return loss_sum / tokens
 
 
-def build_schedule(model, name: str, pp_mesh, device: torch.device, microbatches: int):
-    """``(schedule, this rank's stage modules)``: `model` cut into stages, `name`'s schedule over ``pp_mesh``."""
+def build_schedule(model, name: str, pp_mesh, device: torch.device, microbatches: int,
+                   static_len: Optional[int] = None):
+    """``(schedule, this rank's stage modules)``: `model` cut into stages, `name`'s schedule over ``pp_mesh``.
+    `static_len`: give every stage its shapes for micro-batches of that many positions (torch then skips its
+    shape inference, which runs micro-batch 0 through each stage once)."""
     cls_name, style = SCHEDULES[name]
     pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
     count = pp * (1 if style == "one" else 2)
-    modules = [CausalLMStage(model, i, count) for i in stage_indices(style, pp, rank)]
-    stages = [PipelineStage(m, i, count, device, group=pp_mesh.get_group())
-              for m, i in zip(modules, stage_indices(style, pp, rank))]
+    indices = stage_indices(style, pp, rank)
+    modules = [CausalLMStage(model, i, count) for i in indices]
+    stages = []
+    for module, index in zip(modules, indices):
+        shapes = {} if static_len is None else stage_shapes(model.config, index, count, static_len, model.dtype)
+        stages.append(PipelineStage(module, index, count, device, group=pp_mesh.get_group(), **shapes))
     cls = getattr(schedules, cls_name)
     schedule = cls(stages[0] if style == "one" else stages, n_microbatches=microbatches, loss_fn=token_loss,
                    scale_grads=False)
     return schedule, modules
+
+
+def stage_shapes(config, index: int, count: int, length: int, dtype: torch.dtype) -> dict[str, Any]:
+    """Stage `index`'s inputs and outputs and their gradients for one micro-batch of `length` positions (meta
+    tensors; hidden states require gradients, token ids none; the last stage receives none)."""
+    hidden = torch.empty(1, length, config.hidden_size, dtype=dtype, device="meta", requires_grad=True)
+    ids = torch.empty(1, length, dtype=torch.long, device="meta")
+    logits = torch.empty(1, length, config.vocab_size, dtype=dtype, device="meta", requires_grad=True)
+    first, last = index == 0, index == count - 1
+    return {"input_args": ids if first else hidden, "output_args": logits if last else hidden,
+            "input_grads": None if first else hidden, "output_grads": None if last else hidden}
 
 
 def replica_rows(dp_rank: int, steps: int, microbatches: int, seq_len: int):
@@ -135,17 +160,19 @@ def train(args: argparse.Namespace, mesh, device: torch.device, dtype: torch.dty
     if args.checkpointing != "none":
         model.gradient_checkpointing_enable({"use_reentrant": args.checkpointing == "reentrant"})
     model.train()
-    schedule, modules = build_schedule(model, args.schedule, mesh["pp"], device, args.microbatches)
-    first, last = any(m.embed is not None for m in modules), any(m.head is not None for m in modules)
-    params = [p for m in modules for p in m.parameters()]
     names = {id(p): n for n, p in model.named_parameters()}
-    opt = torch.optim.AdamW(params, lr=args.lr)
     rows = replica_rows(mesh.get_local_rank("dp"), args.steps, args.microbatches, args.seq_len)
-    config, losses = CPConfig(layout=args.layout), []
+    config, losses, schedule = CPConfig(layout=args.layout), [], None
     for step in range(args.steps):
         micro = [add_shift_labels({"input_ids": r.input_ids.to(device), "position_ids": r.position_ids.to(device)})
                  for r in rows[step * args.microbatches:(step + 1) * args.microbatches]]
         steps, batch = make_cp_pipeline_batch_and_ctx(mesh["cp"], None, micro, config=config)
+        if schedule is None:  # the shard length is known now
+            static = batch["input_ids"].shape[1] if args.static_shapes else None
+            schedule, modules = build_schedule(model, args.schedule, mesh["pp"], device, args.microbatches, static)
+            first, last = any(m.embed is not None for m in modules), any(m.head is not None for m in modules)
+            params = [p for m in modules for p in m.parameters()]
+            opt = torch.optim.AdamW(params, lr=args.lr)
         tokens = (batch["shift_labels"] != -100).sum()
         dist.all_reduce(tokens, group=dp_cp.get_group())
         step_losses: list = []
