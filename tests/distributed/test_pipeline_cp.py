@@ -253,4 +253,4 @@ def one_stage_worker(rank, world):
 @pytest.mark.slow
 def test_a_micro_batch_of_several_rows_is_refused(rank_pools):
     for message in rank_pools(2).run(one_stage_worker):
-        assert "[(2, 16)" in message, message
+        assert "[(2, 16), (2, 16)]" in message, message  # the first stage's token ids and the positions

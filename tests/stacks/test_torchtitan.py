@@ -191,7 +191,6 @@ def test_the_routed_attention_refuses_to_run_outside_a_step_or_drop_an_argument(
 @pytest.mark.parametrize("path, value", [
     ("parallelism.context_parallel_degree", 2),
     ("parallelism.tensor_parallel_degree", 2),
-    ("parallelism.pipeline_parallel_degree", 2),
     ("parallelism.spmd_backend", "spmd_types"),
     ("training.local_batch_size", 2),
     ("validator.enable", True),

@@ -36,7 +36,10 @@ Each piece goes in through one of torchtitan's own extension points:
   trainer divides the count torchtitan summed over the data ranks by ``cp_degree``: the loss, its gradients
   and the logged loss are the token mean over the global batch, as in the run without CP.
 
-torchtitan's own CP (``parallelism.context_parallel_degree``), tensor, pipeline and expert parallelism, the
+* the pipeline (``parallelism.pipeline_parallel_degree``): each micro-batch its own row and step
+  (`PipelinedRows`, Note [torchtitan's pipeline under CP] in torchtitan_pp.py).
+
+torchtitan's own CP (``parallelism.context_parallel_degree``), tensor and expert parallelism, the
 other SPMD backends, validation, checkpoints, compile and more than one row per micro-batch are refused by name
 (`check_options`): each would be silently different or is not yet verified here.
 """
@@ -64,6 +67,7 @@ from ..attention import cp_blockdiag_sdpa
 from ..config import CPConfig
 from ..step.batch import make_cp_blockdiag_batch_and_ctx
 from ..step.slot import current_step
+from .torchtitan_pp import PipelinedRows, check_rows_per_micro_batch
 
 logger = logging.getLogger(__name__)
 
@@ -180,12 +184,9 @@ _REFUSED = (
     ("parallelism.context_parallel_degree", 1,
      "torchtitan's own CP wraps the attention itself; set blockdiag_cp.cp_degree instead"),
     ("parallelism.tensor_parallel_degree", 1, "tensor parallelism under blockdiag-cp is not verified in torchtitan"),
-    ("parallelism.pipeline_parallel_degree", 1, "pipeline parallelism under blockdiag-cp is not verified"),
     ("parallelism.expert_parallel_degree", 1, "expert parallelism under blockdiag-cp is not verified"),
     ("parallelism.spmd_backend", "partial_dtensor",
      "the other SPMD backends wrap modules in local_map / full DTensors, not verified with this attention"),
-    ("training.local_batch_size", 1,
-     "blockdiag-cp shards one packed row per step; use training.global_batch_size for more rows (accumulation)"),
     ("validator.enable", False, "torchtitan's validator runs the model outside a blockdiag-cp step"),
     ("compile.enable", False, "torch.compile of torchtitan's model around this attention is not verified"),
 )
@@ -204,6 +205,7 @@ def check_options(config: "BlockDiagCPTrainer.Config") -> None:
         value = getattr(getattr(config, section), name)
         if value != keep:
             raise ValueError(f"{path}={value!r} is refused by BlockDiagCPTrainer ({why}); set {path}={keep!r}")
+    check_rows_per_micro_batch(config)
     if config.checkpoint.enable and config.blockdiag_cp.cp_degree > 1:
         raise ValueError("checkpoint.enable=True is refused with blockdiag_cp.cp_degree > 1: the CP group's ranks "
                          "share a dataloader state, saving and resuming it is not verified yet; set "
@@ -239,7 +241,7 @@ class CPGroupRows(BaseDataLoader):
         self.rows.load_state_dict(state_dict)
 
 
-class BlockDiagCPTrainer(Trainer):
+class BlockDiagCPTrainer(PipelinedRows, Trainer):
     """torchtitan's `Trainer` whose packed rows are sharded per document over ``blockdiag_cp.cp_degree`` ranks.
 
     See Note [The torchtitan way in]. Attributes: ``cp_mesh`` (the CP group's 1-D mesh, None at

@@ -32,7 +32,10 @@ batch's (each micro-batch must be whole packed rows: one split along the sequenc
 apart); micro-batches of different local lengths (torch's stages take one shape); a stage bound
 twice; and stages of one pipeline whose micro-batches differ (other rows or documents, another CP
 rank, another length): a stage that dropped or replaced the documents. A forward whose row does not
-have the step's local length (one row per micro-batch) is refused on the stage that receives it.
+have the step's local length (one row per micro-batch) is refused on the stage that receives it. When the
+schedule's step is over, a micro-batch that no rank of the pipeline reached through the library is refused (Note [A
+step the model never reached]: one small all-reduce); a rank whose stages hold no token mixer (the embeddings
+alone, the head alone) reaches none and is not refused for it.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from ..errors import CPTypeError
 from ..parallel.agree import gather_fingerprints
 from .batch import make_cp_blockdiag_batch_and_ctx
 from .pipeline import TrainCtx
-from .slot import STEP_SLOT, StepTicket
+from .slot import STEP_SLOT, StepTicket, never_reached_refusal
 from .state import StepState
 
 __all__ = ("PipelineSteps", "STAGE_ACTIONS", "make_cp_pipeline_batch_and_ctx")
@@ -194,7 +197,18 @@ def _bound(states: tuple[StepState, ...], schedule: Any) -> Iterator[tuple[StepS
         STEP_SLOT.end(tickets, check_reached=False)
         raise
     _unbind(bound)
-    STEP_SLOT.end(tickets)
+    _refuse_unreached(stages, STEP_SLOT.end(tickets, check_reached=False))
+
+
+def _refuse_unreached(stages: list, reached: tuple[bool, ...]) -> None:
+    """`ModelRefusal` on every rank of the pipeline if some micro-batch's step no rank of it reached (Note [A step
+    the model never reached]; a rank whose stages hold no token mixer, only embeddings or the head, reaches none)."""
+    reached_M = torch.tensor(reached, dtype=torch.long, device=stages[0].device)
+    group = getattr(stages[0], "group", None)
+    if dist.is_initialized():
+        dist.all_reduce(reached_M, op=dist.ReduceOp.MAX, group=group)
+    if not bool(reached_M.all()):
+        raise never_reached_refusal()
 
 
 def _schedule_stages(schedule: Any) -> list:

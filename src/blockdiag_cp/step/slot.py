@@ -70,10 +70,10 @@ mixer calls; a refusal the library raised in the step counts too: the user saw i
 `gather_sequence` and the losses do not: they are not the model's), and a step that ends
 cleanly without any raises `ModelRefusal` when it ends: on leaving ``train_ctx()``, after the
 user's backward, before their optimizer step (which the README's loop and the Trainer run
-after the block); under a pipeline, when the schedule's step is over (a rank whose stages hold
-no token mixer at all is refused the same way). Every rank runs the same model, so every rank
-makes no call alike and raises alike; a step left by an exception is left as it is (that error
-is the one to see).
+after the block); under a pipeline, when the schedule's step is over, if no rank of the pipeline
+reached it (a stage of embeddings or the head alone reaches nothing by itself). Every rank runs
+the same model, so every rank makes no call alike and raises alike; a step left by an exception
+is left as it is (that error is the one to see).
 
 Note [Late recompute]
 ---------------------
@@ -256,16 +256,19 @@ class StepSlot:
             with self._lock:
                 self._leave_locked()
 
-    def end(self, tickets: Sequence[StepTicket], check_reached: bool = True) -> None:
+    def end(self, tickets: Sequence[StepTicket], check_reached: bool = True) -> tuple[bool, ...]:
         """End the steps `tickets`: each that backward did not reach leaves an `EndedStep` note (Note [Late
-        recompute]); with `check_reached`, `ModelRefusal` if any of them no call reached (Note [A step the model
-        never reached])."""
+        recompute]). Returns whether the model reached each (Note [A step the model never reached]); with
+        `check_reached`, `ModelRefusal` if any was not."""
         with self._lock:
-            steps = [self._flight.pop(t.step_id) for t in tickets if t.step_id in self._flight]
-            self._ended += tuple(EndedStep(s.step_id, frozenset(s.calls)) for s in steps
+            steps = {t.step_id: self._flight.pop(t.step_id) for t in tickets if t.step_id in self._flight}
+            self._ended += tuple(EndedStep(s.step_id, frozenset(s.calls)) for s in steps.values()
                                  if s.calls and not s.backward_seen)
-        if check_reached and any(not s.calls and not s.reached for s in steps):
-            raise _never_reached()
+        reached = tuple(t.step_id in steps and bool(steps[t.step_id].calls or steps[t.step_id].reached)
+                        for t in tickets)
+        if check_reached and not all(reached):
+            raise never_reached_refusal()
+        return reached
 
     def _begin_locked(self, state: "StepState") -> _Step:
         self._next_id += 1
@@ -406,7 +409,8 @@ class StepSlot:
         return noted[1] if noted is not None and noted[0] == length else None
 
 
-def _never_reached() -> Exception:
+def never_reached_refusal() -> Exception:
+    """The `ModelRefusal` of a step the model never reached (Note [A step the model never reached])."""
     from ..errors import ModelRefusal
 
     return ModelRefusal(
