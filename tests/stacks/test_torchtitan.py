@@ -16,10 +16,7 @@ torchtitan 0.3.0's Trainer does not run on a CPU-only machine by itself (it pick
 torchtitan's device choice at the CPU. FSDP (torchtitan's ``fully_shard`` over the data ranks) runs on gloo.
 """
 
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -30,7 +27,8 @@ pytest.importorskip("triton")  # torchtitan 0.3.0 imports it unconditionally (it
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset  # noqa: E402
 from torchtitan.models.llama3.config_registry import llama3_debugmodel  # noqa: E402
 
-from torchtitan_assets import CONFIG_MODULE, documents, write_assets, write_dataset, write_tokenizer  # noqa: E402
+from torchtitan_assets import documents, write_assets, write_dataset, write_tokenizer  # noqa: E402
+from torchtitan_assets import launch as launch_torchtitan  # noqa: E402
 
 from blockdiag_cp.integrations.torchtitan import (  # noqa: E402
     BlockDiagCPAttention,
@@ -55,18 +53,8 @@ def assets(tmp_path_factory):
 
 def launch(root: pathlib.Path, name: str, world: int, *overrides: str) -> dict:
     """One torchtitan run under torchrun; returns what torchtitan_run.py recorded."""
-    cfg_dir = root / f"cfg_{name}"
-    cfg_dir.mkdir()
-    (cfg_dir / "tt_tiny_config.py").write_text(CONFIG_MODULE.format(
-        tok=str(root / "tok"), data=str(root / "data"), seq_len=SEQ_LEN, steps=STEPS, dump=str(root / f"out_{name}")))
-    out = root / f"{name}.pt"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(cfg_dir), *sys.path]), "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(root / "hf_cache")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           str(HERE / "torchtitan_run.py"), str(out), str(root / "data_perturbed"),
-           "--module", "tt_tiny_config", "--config", "tiny_llama3", *overrides]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-8000:]
+    out = launch_torchtitan(root, name, world, HERE / "torchtitan_run.py", (str(root / "data_perturbed"),),
+                            overrides, SEQ_LEN, STEPS)
     return torch.load(out, weights_only=False)
 
 

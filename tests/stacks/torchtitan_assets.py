@@ -2,8 +2,11 @@
 a word-level tokenizer, a jsonl dataset of random-word documents, and a torchtitan config_registry module."""
 
 import json
+import os
 import pathlib
 import random
+import subprocess
+import sys
 
 WORDS = [f"w{i}" for i in range(200)]
 CONFIG_MODULE = '''\
@@ -70,3 +73,22 @@ def write_assets(root: pathlib.Path) -> None:
     write_tokenizer(root / "tok")
     write_dataset(root / "data", documents())
     write_dataset(root / "data_perturbed", documents(perturb_first=True))
+
+
+def launch(root: pathlib.Path, name: str, world: int, runner: pathlib.Path, runner_args: tuple[str, ...],
+           overrides: tuple[str, ...], seq_len: int, steps: int) -> pathlib.Path:
+    """torchtitan's training under torchrun on CPU gloo: `runner` with ``OUT.pt``, `runner_args` and the config of
+    `CONFIG_MODULE` (`seq_len`, `steps`) plus the CLI `overrides`; returns ``OUT.pt`` (``root / f"{name}.pt"``)."""
+    cfg_dir = root / f"cfg_{name}"
+    cfg_dir.mkdir()
+    (cfg_dir / "tt_tiny_config.py").write_text(CONFIG_MODULE.format(
+        tok=str(root / "tok"), data=str(root / "data"), seq_len=seq_len, steps=steps, dump=str(root / f"out_{name}")))
+    out = root / f"{name}.pt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(cfg_dir), str(runner.parent), *sys.path]),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(root / "hf_cache")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", str(runner),
+           str(out), *runner_args, "--module", "tt_tiny_config", "--config", "tiny_llama3", *overrides]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-8000:]
+    return out

@@ -18,7 +18,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402
 
-from torchtitan_run import same_initial_weights  # noqa: E402
+from torchtitan_run import record_logged, same_initial_weights  # noqa: E402
 
 
 def main() -> None:
@@ -27,14 +27,7 @@ def main() -> None:
     for part in trainer.model_parts:
         same_initial_weights(part)
     record = {"losses": [], "grad_norms": []}
-    log = trainer.metrics_processor.log
-
-    def recording_log(step, global_avg_loss, global_max_loss, grad_norm, **kwargs):
-        record["losses"].append(float(global_avg_loss))
-        record["grad_norms"].append(float(grad_norm))
-        return log(step, global_avg_loss, global_max_loss, grad_norm, **kwargs)
-
-    trainer.metrics_processor.log = recording_log
+    record_logged(trainer, record)
     trainer.train()
     record["params"] = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
                         for part in trainer.model_parts for name, p in part.named_parameters()}

@@ -47,6 +47,19 @@ def same_initial_weights(model: torch.nn.Module) -> None:
             p.copy_(full)
 
 
+def record_logged(trainer, record: dict) -> None:
+    """Append each logged step's loss and grad norm, at full precision, to ``record["losses"]`` and
+    ``record["grad_norms"]`` (the console prints 5 digits)."""
+    log = trainer.metrics_processor.log
+
+    def recording_log(step, global_avg_loss, global_max_loss, grad_norm, **kwargs):
+        record["losses"].append(float(global_avg_loss))
+        record["grad_norms"].append(float(grad_norm))
+        return log(step, global_avg_loss, global_max_loss, grad_norm, **kwargs)
+
+    trainer.metrics_processor.log = recording_log
+
+
 def probe_row_nll(trainer, data_path: str) -> dict:
     """Per-token losses ``[S]`` of the first row of `data_path` at the current weights, its doc ids and labels."""
     config = trainer.config
@@ -80,14 +93,7 @@ def main() -> None:
     if hasattr(trainer, "cp_step"):  # a BlockDiagCPTrainer (torchtitan's own Trainer has no step to probe in)
         record["probe"] = probe_row_nll(trainer, config.dataloader.dataset_path)
         record["probe_other"] = probe_row_nll(trainer, probe_data)
-    log = trainer.metrics_processor.log
-
-    def recording_log(step, global_avg_loss, global_max_loss, grad_norm, **kwargs):
-        record["losses"].append(float(global_avg_loss))
-        record["grad_norms"].append(float(grad_norm))
-        return log(step, global_avg_loss, global_max_loss, grad_norm, **kwargs)
-
-    trainer.metrics_processor.log = recording_log
+    record_logged(trainer, record)
     trainer.train()
     params = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
               for name, p in trainer.model_parts[0].named_parameters()}
