@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
 from ..config import CPConfig
-from ..errors import CPTypeError
+from ..errors import CPTypeError, ensure
 from ..parallel.agree import gather_fingerprints
 from .batch import make_cp_blockdiag_batch_and_ctx
 from .pipeline import TrainCtx
@@ -286,8 +286,7 @@ def _as_turn(stage: Any, name: str, where: Optional[int], method, tickets: list[
     """`method` (a stage's ``name``) run as a turn of its micro-batch's step."""
     @functools.wraps(method)
     def turn(*args, **kwargs):
-        index = 0 if where is None else int(args[where] if len(args) > where else
-                                            next(kwargs[k] for k in _CHUNK_KEYWORDS if k in kwargs))
+        index = _micro_batch(where, args, kwargs)
         if not 0 <= index < len(tickets):
             raise ValueError(f"stage {stage.stage_index} ran micro-batch {index} of {len(tickets)}")
         if name in ("forward_one_chunk", "_prepare_forward_infra"):
@@ -296,6 +295,18 @@ def _as_turn(stage: Any, name: str, where: Optional[int], method, tickets: list[
         with STEP_SLOT.turn(tickets[index]):
             return method(*args, **kwargs)
     return turn
+
+
+def _micro_batch(where: Optional[int], args: tuple, kwargs: dict) -> int:
+    """The micro-batch a stage method's call serves (`STAGE_ACTIONS`): its positional argument `where`, or that
+    argument by torch's keyword; micro-batch 0 for `where` None."""
+    if where is None:
+        return 0
+    if len(args) > where:
+        return int(args[where])
+    named = [kwargs[k] for k in _CHUNK_KEYWORDS if k in kwargs]
+    ensure(len(named) == 1, f"a stage action called without its micro-batch: {sorted(kwargs)}")
+    return int(named[0])
 
 
 def _refuse_row(stage: Any, args: Any, kwargs: Any, local_len: int) -> None:
