@@ -428,5 +428,6 @@ STEP_SLOT = StepSlot()
 
 
 def current_step() -> Optional["StepState"]:
-    """The active step's state, or None outside ``train_ctx()``."""
+    """The state of the step whose turn it is (inside ``train_ctx()``, or a pipeline stage action bound by
+    `PipelineSteps`), else None."""
     return STEP_SLOT.current()
