@@ -6,7 +6,7 @@
 #   bash tests/stacks/run.sh [axolotl] [llamafactory] [torchtitan] [automodel]    # default: all four
 #
 # Per stack: .venv-<stack> (made once, reused), torch pinned first (never let pip pick torch: it would fetch a
-# CUDA build), the stack's extra from pyproject.toml, then `pytest tests/stacks/test_<stack>.py`. Exit status: the
+# CUDA build), the stack's extra from pyproject.toml, then `pytest tests/stacks/test_<stack>*.py`. Exit status: the
 # first failure's (every stack still runs). Install and test seconds are printed per stack.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -45,7 +45,7 @@ for stack in "${@:-axolotl llamafactory torchtitan automodel}"; do
             continue
         fi
         t1=$SECONDS
-        PYTHONPATH=src:tests ".venv-$s/bin/python" -m pytest -q -p no:cacheprovider "tests/stacks/test_$s.py"
+        PYTHONPATH=src:tests ".venv-$s/bin/python" -m pytest -q -p no:cacheprovider tests/stacks/test_"$s"*.py  # its own file and its extensions (test_torchtitan_pp.py)
         rc=$?
         echo "stacks: $s: install $((t1 - t0)) s, tests $((SECONDS - t1)) s, exit $rc"
         [ "$rc" -ne 0 ] && [ "$status" -eq 0 ] && status=$rc
