@@ -83,9 +83,8 @@ def probe_row_nll(trainer, data_path: str) -> dict:
 def record_exact_grad_norms(record: dict) -> None:
     """Record each step's gradient norm computed in float64 from the whole gradients, before torchtitan clips.
 
-    torchtitan's logged norm is torch's float32 norm of each rank's shards: on CPU it is off by up to ~2e-5
-    relative (one thread sums long runs in float32), by an amount that depends on how the gradients are sharded,
-    so two runs with equal gradients but another sharding log norms ~1e-5 apart. This one is the gradients'.
+    The test checks the logged norm against it: torch's float32 norm of each rank's shards is off by ~1e-5 on
+    CPU, by an amount that depends on how the gradients are sharded (Note [Gradient norms on CPU]).
     """
     import torchtitan.distributed.utils as titan_dist
 
