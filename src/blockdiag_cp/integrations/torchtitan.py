@@ -63,6 +63,7 @@ from torchtitan.trainer import Trainer
 
 from ..config import CPConfig
 from .torchtitan_attention import BlockDiagCPAttention, BlockDiagCPConverter, route_attention
+from .torchtitan_moe import balances_expert_load, route_experts, uncount_padding
 from .torchtitan_rows import (
     BlockDiagCPValidator,
     CPGroupRows,
@@ -70,6 +71,7 @@ from .torchtitan_rows import (
     as_config,
     doc_ids_from_positions,
     local_multiple_of,
+    row_padding,
 )
 
 logger = logging.getLogger(__name__)
@@ -134,9 +136,26 @@ def check_options(config: "BlockDiagCPTrainer.Config") -> None:
         value = getattr(getattr(config, section), name)
         if value != keep:
             raise ValueError(f"{path}={value!r} is refused by BlockDiagCPTrainer ({why}); set {path}={keep!r}")
+    _refuse_uncountable_padding(config)
     if config.validator.enable and type(config.validator) not in (Validator.Config, BlockDiagCPValidator.Config):
         raise ValueError(f"validator={type(config.validator).__qualname__} is refused by BlockDiagCPTrainer: only "
                          "torchtitan's Validator is run inside a blockdiag-cp step (BlockDiagCPValidator)")
+
+
+def _refuse_uncountable_padding(config: "BlockDiagCPTrainer.Config") -> None:
+    """A compiled model whose MoE layers balance their load, on rows the trainer pads: the padding's routes are
+    taken out of torchtitan's expert counts by a router hook (Note [torchtitan's experts under CP]), which a
+    ``fullgraph`` per-block compile cannot trace (it reads the step)."""
+    padding = row_padding(config, config.blockdiag_cp.cp_degree)
+    compiled = config.compile.enable and "model" in config.compile.components
+    if padding and compiled and config.model_spec is not None and balances_expert_load(config.model_spec.model):
+        raise ValueError(
+            f"compile.enable with a MoE model that balances its experts' load (load_balance_coeff) is refused by "
+            f"BlockDiagCPTrainer on rows it pads ({padding} padding tokens per micro-batch: local_batch_size x "
+            f"seq_len = {config.training.local_batch_size * config.training.seq_len} is not a multiple of cp_degree "
+            f"x lcm(tensor_parallel_degree, the chunked loss's num_chunks)): the padding's routes must be taken out "
+            f"of the experts' load counts, which the compiled blocks cannot do. Choose seq_len so that no padding is "
+            f"needed, or compile.enable=False")
 
 
 class BlockDiagCPTrainer(Trainer):
@@ -157,7 +176,8 @@ class BlockDiagCPTrainer(Trainer):
             raise ValueError("BlockDiagCPTrainer needs config.model_spec (set by the config_registry function)")
         config = _count_cp_ranks_as_data_ranks(copy.copy(config))
         cp_degree = config.blockdiag_cp.cp_degree
-        config.model_spec = dataclasses.replace(config.model_spec, model=route_attention(config.model_spec.model))
+        config.model_spec = dataclasses.replace(
+            config.model_spec, model=route_experts(route_attention(config.model_spec.model), cp_degree))
         config.dataloader = CPGroupRows.Config(rows=config.dataloader, cp_degree=cp_degree)
         if type(config.validator) is Validator.Config:
             config.validator = as_config(BlockDiagCPValidator.Config, config.validator)
@@ -169,6 +189,8 @@ class BlockDiagCPTrainer(Trainer):
                                         dims.get_mesh("tp") if dims.tp_enabled else None, self.device.type,
                                         local_multiple_of(dims.tp, self.loss_fn))
         self.cp_degree = cp_degree
+        if row_padding(config, cp_degree):
+            uncount_padding(self.model_parts)  # the padding's routes out of the experts' load counts
         if self.device.type == "cpu":
             _sum_gradients_over_gloo(self.model_parts)
             _accumulate_grad_norms_in_float64()
