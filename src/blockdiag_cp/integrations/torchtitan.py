@@ -26,6 +26,9 @@ Each piece goes in through one of torchtitan's own extension points:
   outside one (plain SDPA there would let documents see each other). torchtitan's TP sharding rules wrap it as
   they wrap its own attention (``local_map``: it sees this TP rank's heads); its per-block compile traces it as
   one opaque op (step/opaque.py); its activation checkpointing recomputes it inside the step.
+* MoE layers: every `GroupedExperts` computes in its weights' dtype (torchtitan's casts to bfloat16 would round
+  each rank's expert gradients alone) and the padding's routes are not counted in the load balancing
+  (`route_experts`, `uncount_padding`; Note [torchtitan's experts under CP] in torchtitan_moe.py).
 * ranks: torchtitan sees the CP groups' ranks as data ranks (FSDP over dp x cp); ``world = rows x cp x tp``
   (Note [CP groups inside torchtitan's data ranks] in torchtitan_rows.py). The dataloader config is wrapped
   (`CPGroupRows`) so a CP group's ranks read the same rows; ``parallelism.data_parallel_shard_degree`` and
