@@ -13,6 +13,7 @@ from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.models.llama3 import model_registry as llama3_registry
 from torchtitan.models.llama3.config_registry import llama3_debugmodel
+from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
 from torchtitan.models.qwen3.config_registry import qwen3_debugmodel
 from blockdiag_cp.integrations.torchtitan import blockdiag_config
 
@@ -68,6 +69,12 @@ def tiny_llama3_windowed():
     config.checkpoint.interval = 2
     config.activation_checkpoint = None
     return config
+
+
+def tiny_deepseek_v3():
+    """torchtitan's deepseek_v3 debugmodel (MLA; a dense layer, then a MoE layer of 8 routed experts, top 3, 2 shared,
+    load balancing by expert biases), selective activation checkpointing (the flavor's default)."""
+    return tiny(blockdiag_config(deepseek_v3_debugmodel(), cp_degree=1))
 
 
 def tiny_qwen3_full_ac():

@@ -9,7 +9,9 @@ for the test only: each step's logged loss and grad norm at full precision (the 
 gradients' own norm in float64, n_tokens_seen, each validation's eval loss, the per-token losses of the first
 micro-batch at the initial weights, of the run's dataset and of PROBE_DATA (the leak probe: the rows read by a
 fresh copy of the trainer's own dataloader, sharded by the trainer's own ``post_dataloading_process``, the model
-run in its step, the shard's losses gathered to the row), and the final parameters, gathered whole. Rank 0 saves
+run in its step, the shard's losses gathered to the row), each step's expert loads of a MoE model (the tokens
+routed to each expert, summed over the data ranks) and the final parameters and expert biases, gathered whole.
+Rank 0 saves
 them.
 
 The initial weights are set here, the same full tensors at every world size (`same_initial_weights`): on CPU,
@@ -83,9 +85,8 @@ def probe_row_nll(trainer, data_path: str) -> dict:
 def record_exact_grad_norms(record: dict) -> None:
     """Record each step's gradient norm computed in float64 from the whole gradients, before torchtitan clips.
 
-    torchtitan's logged norm is torch's float32 norm of each rank's shards: on CPU it is off by up to ~2e-5
-    relative (one thread sums long runs in float32), by an amount that depends on how the gradients are sharded,
-    so two runs with equal gradients but another sharding log norms ~1e-5 apart. This one is the gradients'.
+    The test checks the logged norm against it: torch's float32 norm of each rank's shards is off by ~1e-5 on
+    CPU, by an amount that depends on how the gradients are sharded (Note [Gradient norms on CPU]).
     """
     import torchtitan.distributed.utils as titan_dist
 
@@ -101,17 +102,50 @@ def record_exact_grad_norms(record: dict) -> None:
     titan_dist.clip_grad_norm_ = clip_recording
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def record_expert_loads(trainer, record: dict) -> None:
+    """Record, before each optimizer step (before torchtitan's load-balancing hook reads and zeroes them), every MoE
+    layer's ``tokens_per_expert_E`` summed over the data ranks as torchtitan sums them: ``[layers, E]`` per step."""
+    moes = [m for m in trainer.model_parts[0].modules() if hasattr(m, "tokens_per_expert_E")]
+    if not moes:
+        return
+    dims, step = trainer.parallel_dims, trainer.optimizers.step
+
+    def recording_step(*args, **kwargs):
+        loads = torch.stack([local(m.tokens_per_expert_E) for m in moes]).clone()
+        if dims.dp_enabled:
+            dist.all_reduce(loads, group=dims.get_mesh("batch").get_group())
+        record["expert_loads"].append(loads.cpu())
+        return step(*args, **kwargs)
+
+    trainer.optimizers.step = recording_step
+
+
+def forget_probe_expert_loads(model: torch.nn.Module) -> None:
+    """The probes' forwards ran in training mode: torchtitan's MoE layers counted their tokens."""
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "tokens_per_expert_E"):
+                local(module.tokens_per_expert_E).zero_()
+
+
 def main() -> None:
     out_path, probe_data, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
     config = ConfigManager().parse_args(argv)
     trainer = config.build()
     same_initial_weights(trainer.model_parts[0])
-    record = {"losses": [], "grad_norms": [], "exact_grad_norms": [], "tokens_seen": [], "steps": [], "eval_losses": {}}
+    record = {"losses": [], "grad_norms": [], "exact_grad_norms": [], "tokens_seen": [], "steps": [], "eval_losses": {},
+              "expert_loads": []}
     record_exact_grad_norms(record)
     if probe_data != "-" and hasattr(trainer, "cp_step"):  # torchtitan's own Trainer has no step to probe in
         record["probe"] = probe_row_nll(trainer, config.dataloader.dataset_path)
         record["probe_other"] = probe_row_nll(trainer, probe_data)
         trainer.ntokens_seen = 0  # the probes went through the trainer's post_dataloading_process
+        forget_probe_expert_loads(trainer.model_parts[0])
+    record_expert_loads(trainer, record)
     log, log_validation = trainer.metrics_processor.log, trainer.metrics_processor.log_validation
 
     def recording_log(step, global_avg_loss, global_max_loss, grad_norm, **kwargs):
@@ -132,6 +166,8 @@ def main() -> None:
     params = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
               for name, p in trainer.model_parts[0].named_parameters()}
     record["params"] = params
+    record["expert_biases"] = {name: (b.full_tensor() if isinstance(b, DTensor) else b).cpu()
+                               for name, b in trainer.model_parts[0].named_buffers() if name.endswith("expert_bias_E")}
     record["world"] = dist.get_world_size()
     record["cp_degree"] = getattr(trainer, "cp_degree", None)
     dims = trainer.parallel_dims

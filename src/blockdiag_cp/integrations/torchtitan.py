@@ -26,6 +26,9 @@ Each piece goes in through one of torchtitan's own extension points:
   outside one (plain SDPA there would let documents see each other). torchtitan's TP sharding rules wrap it as
   they wrap its own attention (``local_map``: it sees this TP rank's heads); its per-block compile traces it as
   one opaque op (step/opaque.py); its activation checkpointing recomputes it inside the step.
+* MoE layers: every `GroupedExperts` computes in its weights' dtype (torchtitan's casts to bfloat16 would round
+  each rank's expert gradients alone) and the padding's routes are not counted in the load balancing
+  (`route_experts`, `uncount_padding`; Note [torchtitan's experts under CP] in torchtitan_moe.py).
 * ranks: torchtitan sees the CP groups' ranks as data ranks (FSDP over dp x cp); ``world = rows x cp x tp``
   (Note [CP groups inside torchtitan's data ranks] in torchtitan_rows.py). The dataloader config is wrapped
   (`CPGroupRows`) so a CP group's ranks read the same rows; ``parallelism.data_parallel_shard_degree`` and
@@ -50,17 +53,20 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Literal, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torchtitan.components.validate import Validator
 from torchtitan.trainer import Trainer
 
 from ..config import CPConfig
 from .torchtitan_attention import BlockDiagCPAttention, BlockDiagCPConverter, route_attention
+from .torchtitan_moe import balances_expert_load, route_experts, uncount_padding
 from .torchtitan_rows import (
     BlockDiagCPValidator,
     CPGroupRows,
@@ -68,6 +74,7 @@ from .torchtitan_rows import (
     as_config,
     doc_ids_from_positions,
     local_multiple_of,
+    row_padding,
 )
 
 logger = logging.getLogger(__name__)
@@ -132,9 +139,26 @@ def check_options(config: "BlockDiagCPTrainer.Config") -> None:
         value = getattr(getattr(config, section), name)
         if value != keep:
             raise ValueError(f"{path}={value!r} is refused by BlockDiagCPTrainer ({why}); set {path}={keep!r}")
+    _refuse_uncountable_padding(config)
     if config.validator.enable and type(config.validator) not in (Validator.Config, BlockDiagCPValidator.Config):
         raise ValueError(f"validator={type(config.validator).__qualname__} is refused by BlockDiagCPTrainer: only "
                          "torchtitan's Validator is run inside a blockdiag-cp step (BlockDiagCPValidator)")
+
+
+def _refuse_uncountable_padding(config: "BlockDiagCPTrainer.Config") -> None:
+    """A compiled model whose MoE layers balance their load, on rows the trainer pads: the padding's routes are
+    taken out of torchtitan's expert counts by a router hook (Note [torchtitan's experts under CP]), which a
+    ``fullgraph`` per-block compile cannot trace (it reads the step)."""
+    padding = row_padding(config, config.blockdiag_cp.cp_degree)
+    compiled = config.compile.enable and "model" in config.compile.components
+    if padding and compiled and config.model_spec is not None and balances_expert_load(config.model_spec.model):
+        raise ValueError(
+            f"compile.enable with a MoE model that balances its experts' load (load_balance_coeff) is refused by "
+            f"BlockDiagCPTrainer on rows it pads ({padding} padding tokens per micro-batch: local_batch_size x "
+            f"seq_len = {config.training.local_batch_size * config.training.seq_len} is not a multiple of cp_degree "
+            f"x lcm(tensor_parallel_degree, the chunked loss's num_chunks)): the padding's routes must be taken out "
+            f"of the experts' load counts, which the compiled blocks cannot do. Choose seq_len so that no padding is "
+            f"needed, or compile.enable=False")
 
 
 class BlockDiagCPTrainer(Trainer):
@@ -155,7 +179,8 @@ class BlockDiagCPTrainer(Trainer):
             raise ValueError("BlockDiagCPTrainer needs config.model_spec (set by the config_registry function)")
         config = _count_cp_ranks_as_data_ranks(copy.copy(config))
         cp_degree = config.blockdiag_cp.cp_degree
-        config.model_spec = dataclasses.replace(config.model_spec, model=route_attention(config.model_spec.model))
+        config.model_spec = dataclasses.replace(
+            config.model_spec, model=route_experts(route_attention(config.model_spec.model), cp_degree))
         config.dataloader = CPGroupRows.Config(rows=config.dataloader, cp_degree=cp_degree)
         if type(config.validator) is Validator.Config:
             config.validator = as_config(BlockDiagCPValidator.Config, config.validator)
@@ -167,8 +192,11 @@ class BlockDiagCPTrainer(Trainer):
                                         dims.get_mesh("tp") if dims.tp_enabled else None, self.device.type,
                                         local_multiple_of(dims.tp, self.loss_fn))
         self.cp_degree = cp_degree
+        if row_padding(config, cp_degree):
+            uncount_padding(self.model_parts)  # the padding's routes out of the experts' load counts
         if self.device.type == "cpu":
             _sum_gradients_over_gloo(self.model_parts)
+            _accumulate_grad_norms_in_float64()
         if config.validator.enable:
             self.validator.use_cp_groups(self.cp_groups)
 
@@ -225,6 +253,64 @@ def _sum_gradients_over_gloo(model_parts: list[torch.nn.Module]) -> None:
         for module in part.modules():
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
+
+
+def _accumulate_grad_norms_in_float64() -> None:
+    """On CPU processes, torchtitan's ``clip_grad_norm_`` becomes `_clip_grad_norm_in_float64` (Note [Gradient
+    norms on CPU]); idempotent. A function someone else put there (a wrapper) is left, with a warning."""
+    import torchtitan.distributed.utils as titan_dist
+
+    current = titan_dist.clip_grad_norm_
+    if current is _clip_grad_norm_in_float64:
+        return
+    if (getattr(current, "__module__", None), getattr(current, "__qualname__", None)) != (titan_dist.__name__,
+                                                                                          "clip_grad_norm_"):
+        logger.warning("torchtitan.distributed.utils.clip_grad_norm_ is %r, not torchtitan's: left as it is, so the "
+                       "logged gradient norm is torch's float32 CPU norm (it moves ~1e-5 with the sharding)", current)
+        return
+    titan_dist.clip_grad_norm_ = _clip_grad_norm_in_float64
+
+
+@torch.no_grad()
+def _clip_grad_norm_in_float64(parameters: Any, max_norm: float, norm_type: float = 2.0,
+                               error_if_nonfinite: bool = False, foreach: Optional[bool] = None,
+                               pp_mesh: Any = None, ep_enabled: bool = False) -> torch.Tensor:
+    """torchtitan's ``clip_grad_norm_`` with each gradient's (shard's) norm accumulated in float64.
+
+    Note [Gradient norms on CPU]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    torchtitan's ``clip_grad_norm_`` takes torch's float32 norm of each rank's gradient shards (``_foreach_norm``)
+    and combines them over the DTensor meshes. On CPU torch accumulates a float32 norm sequentially (a few vector
+    lanes, one running sum each), so a shard of 2.6e5 elements is off by ~1e-5 relative, and by an amount that
+    depends on where the shards are cut: qwen3's gradients at step 1 log 3.8878241 at tp 2 (FSDP over 1 rank)
+    and 3.8878684 at tp 2 x cp 2 (FSDP over 2 ranks), 1.1e-5 apart, while their float64 norms agree to 3e-10
+    and each run's gradients, laid out as the other run's shards, give the other run's logged norm. Here each
+    shard's norm is accumulated in float64 (one float64 copy of one gradient at a time) and the total returned
+    in the gradients' dtype: the logged norm and the clipping are then the gradients' own, whatever the sharding.
+    Everything else is torchtitan's: the DTensor reductions, the pipeline stages' sum, the clipping.
+    """
+    assert not ep_enabled, "expert parallelism is refused by check_options"
+    parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads]
+    total_norm = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    if isinstance(total_norm, DTensor):  # partial over the sharded mesh dims: reduce
+        total_norm = total_norm.full_tensor()
+    if pp_mesh is not None:
+        if math.isinf(norm_type):
+            dist.all_reduce(total_norm, op=dist.ReduceOp.MAX, group=pp_mesh.get_group())
+        else:
+            total_norm **= norm_type
+            dist.all_reduce(total_norm, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
+            total_norm **= 1.0 / norm_type
+    if error_if_nonfinite and not torch.isfinite(total_norm):
+        raise RuntimeError(f"The total norm of order {norm_type} of the gradients is non-finite, so it cannot be "
+                           "clipped (error_if_nonfinite=True)")
+    total_norm = total_norm.to(grads[0].dtype)
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
+    return total_norm
 
 
 def _keep_timeouts_where_torch_cannot_set_them() -> None:

@@ -55,6 +55,7 @@ __all__ = (
     "doc_ids_from_positions",
     "local_multiple_of",
     "one_packed_row",
+    "row_padding",
 )
 
 
@@ -237,9 +238,17 @@ class BlockDiagCPValidator(Validator):
 def local_multiple_of(tp_degree: int, loss_fn: Any) -> int:
     """What every shard's length must be a multiple of, so torchtitan's modules split it evenly: the TP degree
     (sequence parallelism splits the shard over the TP ranks) and `ChunkedLossWrapper`'s ``num_chunks`` (it splits
-    the shard's sequence into that many chunks). The row is padded to ``cp x`` this (padding has no loss)."""
-    chunks = loss_fn.num_chunks if isinstance(loss_fn, ChunkedLossWrapper) else 1
-    return math.lcm(tp_degree, chunks)
+    the shard's sequence into that many chunks; `loss_fn` the loss or its config). The row is padded to ``cp x``
+    this (padding has no loss)."""
+    chunked = isinstance(loss_fn, (ChunkedLossWrapper, ChunkedLossWrapper.Config))
+    return math.lcm(tp_degree, loss_fn.num_chunks if chunked else 1)
+
+
+def row_padding(config: Any, cp_degree: int) -> int:
+    """The padding tokens `CPGroups.shard` adds to every training micro-batch's packed row (`one_packed_row`), from
+    the job config alone: ``local_batch_size x seq_len`` up to a multiple of ``cp x local_multiple_of``."""
+    multiple = cp_degree * local_multiple_of(config.parallelism.tensor_parallel_degree, config.loss)
+    return -(config.training.local_batch_size * config.training.seq_len) % multiple
 
 
 def as_config(config_type: type, base: Any, **extra: Any) -> Any:
