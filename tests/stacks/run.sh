@@ -2,7 +2,7 @@
 # The stacks' own tests (issue #48), each in a venv of its own: axolotl, LLaMA-Factory and torchtitan pin
 # transformers / trl / accelerate / datasets versions that cannot share the main test venv (and each other's).
 #
-#   bash tests/stacks/run.sh [axolotl] [llamafactory] [torchtitan]    # default: all three
+#   bash tests/stacks/run.sh [axolotl] [llamafactory] [torchtitan] [verl]    # default: all four
 #
 # Per stack: .venv-<stack> (made once, reused), torch pinned first (never let pip pick torch: it would fetch a
 # CUDA build), the stack's extra from pyproject.toml, then `pytest tests/stacks/test_<stack>.py`. Exit status: the
@@ -31,7 +31,7 @@ install() {  # install <stack>: venv, torch pinned, the extra (and whatever the 
 }
 
 status=0
-for stack in "${@:-axolotl llamafactory torchtitan}"; do
+for stack in "${@:-axolotl llamafactory torchtitan verl}"; do
     for s in $stack; do
         t0=$SECONDS
         if ! install "$s"; then
