@@ -117,7 +117,27 @@ class PlatformCPUTest(PlatformBase):
 
 
 def use_cpu_platform() -> None:
-    """Make this platform verl's (before anything resolves verl's platform), and engines resolve as on CUDA."""
+    """Make this platform verl's (before anything resolves verl's platform), and engines resolve as on CUDA.
+
+    Two things of verl need an accelerator, and the fixture replaces them for its runs: its FSDP2 engine offloads a
+    forward-only model's parameters (the reference) to pinned host memory (here: ordinary memory, where a CPU
+    computes anyway), and it loads critics with flash attention (`_load_value_model`)."""
     os.environ["VERL_PLATFORM"] = NAME
     os.environ["VERL_ENGINE_DEVICE"] = "cuda"
     set_platform(PlatformCPUTest())
+    import verl.utils.model as verl_model
+    from verl.workers.engine.fsdp import transformer_impl
+
+    policy = transformer_impl.CPUOffloadPolicy
+    transformer_impl.CPUOffloadPolicy = lambda **kwargs: policy(**{**kwargs, "pin_memory": False})
+    verl_model.load_valuehead_model = _load_value_model
+
+
+def _load_value_model(local_path: str, torch_dtype: Any, model_config: Any, trust_remote_code: bool) -> Any:
+    """verl's critic loader (``verl.utils.model.load_valuehead_model``) names ``flash_attention_2``, which needs a
+    GPU; under this fixture the critic loads with its config's attention instead (sdpa for verl's engine, the
+    block-diagonal CP engine's own for it), as a model at sp 1 on CPU attends."""
+    from transformers import AutoModelForTokenClassification
+
+    return AutoModelForTokenClassification.from_pretrained(local_path, torch_dtype=torch_dtype, config=model_config,
+                                                           trust_remote_code=trust_remote_code)

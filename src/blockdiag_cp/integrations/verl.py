@@ -219,12 +219,14 @@ class _PerDocumentCP:
     def _build_module(self) -> torch.nn.Module:
         """verl's model, attending through blockdiag-cp, its token mixers routed per document; verl's monkey
         patch applied as at sp 1 (Ulysses' head-count asserts and input slicing belong to Ulysses)."""
-        self.model_config.hf_config._attn_implementation = ATTN_IMPLEMENTATION
+        self.model_config.hf_config._attn_implementation = ATTN_IMPLEMENTATION  # the LM loads with its config's
         cp_size, self.ulysses_sequence_parallel_size = self.ulysses_sequence_parallel_size, 1
         try:
             module = super()._build_module()
         finally:
             self.ulysses_sequence_parallel_size = cp_size
+        if module.config._attn_implementation != ATTN_IMPLEMENTATION:  # verl loads value models with flash attention
+            module.set_attn_implementation(ATTN_IMPLEMENTATION)
         prepare_model(module, f"in {WHERE}")
         return module
 
