@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import copy
 import dataclasses
+import os
 import types
 
 import pytest
@@ -37,11 +38,11 @@ from blockdiag_cp.integrations.verl import (  # noqa: E402
 #: 1e-7; below 1e-6 in absolute value a loss is rounding noise: the first step's policy loss), parameters to 1e-4
 #: absolute (observed 1e-5 after AdamW steps at lr 0.01, which turn gradient rounding into steps of ~lr)
 TOKEN_TOL, LOSS_TOL, LOSS_FLOOR, PARAM_TOL = 1e-5, 1e-5, 1e-6, 1e-4
-#: the hybrid's parameters after its second AdamW step (after the first: PARAM_TOL, observed 2.4e-5). The gradients of
-#: the Gated DeltaNet's decay (A_log, dt_bias, in_proj_a) cancel to about 1e-4 of their terms; handing a document's
-#: recurrent state across CP ranks (mixers/recurrence.py) rounds them about 1e-4 relative apart from one rank's run
-#: (measured outside verl, float32; float64 agrees to 1e-8: tests/integrations/test_hybrid_models.py), and AdamW's
-#: second step turns that into 5.5e-4 on those parameters (observed) while cp 1 stays at 2e-5
+#: the hybrid's parameters (every other one's within PARAM_TOL). The gradients of the Gated DeltaNet's decay (A_log,
+#: dt_bias, in_proj_a) cancel to about 1e-4 of their terms; handing a document's recurrent state across CP ranks
+#: (mixers/recurrence.py) rounds them about 1e-4 relative apart from one rank's run (measured outside verl, float32;
+#: float64 agrees to 1e-8: tests/integrations/test_hybrid_models.py), and AdamW turns that into 2e-5 to 1.1e-4 on those
+#: parameters after the first step and 5.5e-4 after the second (observed; at cp 1 every parameter stays within 2e-5)
 HYBRID_PARAM_TOL = 1e-3
 #: the logged values compared (per step); per micro-batch lists (vpred_mean, kl_coef) follow the micro-batching,
 #: which dynamic batch size sizes by tokens per rank
@@ -53,6 +54,8 @@ QWEN = Run("qwen2_6h")  # PPO (GAE, critic), dynamic batch size, gradient checkp
 LLAMA = Run("llama", estimator="grpo", dynamic_bsz=False, lora_rank=8)  # GRPO, LoRA, 2 sequences per micro-batch
 HYBRID = Run("qwen3_5", estimator="grpo")  # Gated DeltaNet + attention
 CP = dict(engine=True)
+#: where the fixture saves every run's results when set (a path)
+DUMP = "BLOCKDIAG_CP_VERL_DUMP"
 RUNS = {
     1: {"qwen": QWEN, "llama": LLAMA, "hybrid_alone": Run("qwen3_5", estimator="grpo", dynamic_bsz=False, micro_batch=1),
         "hybrid_packed": Run("qwen3_5", estimator="grpo", dynamic_bsz=False)},
@@ -73,6 +76,8 @@ def runs(tmp_path_factory) -> dict:
         out = {}
         for world, future in launched.items():
             out.update(zip(RUNS[world], future.result()))
+    if os.environ.get(DUMP):  # docs/verl.md's numbers come from here
+        torch.save(out, os.environ[DUMP])
     return out
 
 
@@ -88,13 +93,14 @@ def assert_close_logged(got: dict, want: dict, where: str) -> None:
 
 def assert_params_close(got: dict, want: dict, tol: float, where: str) -> None:
     assert got.keys() == want.keys(), where
-    moved = max(float((got[n] - want[n]).abs().max()) for n in want)
-    assert moved <= tol, (where, moved)
+    moved = {n: float((got[n] - want[n]).abs().max()) for n in want}
+    worst = max(moved, key=moved.get)
+    assert moved[worst] <= tol, (where, worst, moved[worst])
 
 
 def assert_same_training(got: dict, want: dict, param_tol: float = PARAM_TOL) -> None:
-    """Per-token outputs, logged values and the parameters after every step of two runs of the same steps agree
-    (the actor's after the last step within `param_tol`)."""
+    """Per-token outputs, logged values and the parameters after every step (the actor's within `param_tol`) of two
+    runs of the same steps agree."""
     assert len(got["steps"]) == len(want["steps"])
     for step, (g, w) in enumerate(zip(got["steps"], want["steps"])):
         for key in PER_TOKEN:
@@ -104,8 +110,7 @@ def assert_same_training(got: dict, want: dict, param_tol: float = PARAM_TOL) ->
         for role in ("actor", "critic"):
             if role in w:
                 assert_close_logged(g[role], w[role], f"step {step} {role}")
-        last = step == len(want["steps"]) - 1
-        assert_params_close(g["actor_params"], w["actor_params"], param_tol if last else PARAM_TOL, f"actor {step}")
+        assert_params_close(g["actor_params"], w["actor_params"], param_tol, f"actor after step {step}")
     if "critic_params" in want:
         assert_params_close(got["critic_params"], want["critic_params"], PARAM_TOL, "critic")
     assert want["actor_moved"] > 100 * PARAM_TOL, want["actor_moved"]  # the steps trained the actor
