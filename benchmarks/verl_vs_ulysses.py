@@ -144,9 +144,9 @@ def worker(rank: int, world: int, case: dict, method: str, root: str) -> dict:
     model = HFModelConfig(path=case["model"], use_remove_padding=True, enable_gradient_checkpointing=False,
                           override_config={"attn_implementation": attention},
                           external_lib="blockdiag_cp.integrations.verl" if method == "blockdiag_cp" else None)
-    engine = FSDPEngineConfig(strategy="fsdp2", ulysses_sequence_parallel_size=world, use_dynamic_bsz=False,
-                              micro_batch_size_per_gpu=1024, infer_micro_batch_size_per_gpu=1024,
-                              use_torch_compile=False, mixed_precision=fp32)
+    engine = FSDPEngineConfig(strategy="fsdp2", ulysses_sequence_parallel_size=world, use_dynamic_bsz=True,
+                              max_token_len_per_gpu=case["tokens"], infer_max_token_len_per_gpu=case["tokens"],
+                              use_torch_compile=False, mixed_precision=fp32)  # one micro-batch: the whole batch
     config = TrainingWorkerConfig(model_type="language_model", model_config=model, engine_config=engine,
                                   optimizer_config=FSDPOptimizerConfig(lr=1e-4, total_training_steps=case["steps"]),
                                   checkpoint_config=None)
@@ -156,7 +156,7 @@ def worker(rank: int, world: int, case: dict, method: str, root: str) -> dict:
     except AssertionError as exc:  # verl's Ulysses head-count asserts
         return {"refused": str(exc).split(".")[0]}
     actor.set_loss_fn(partial(ppo_loss, config=ActorConfig(strategy="fsdp2", rollout_n=1, use_kl_loss=False,
-                                                           ppo_micro_batch_size_per_gpu=1024)))
+                                                           use_dynamic_bsz=True)))
     td, response_mask = batch(case["tokens"])
     tu.assign_non_tensor(td, compute_loss=False)
     out = actor.infer_batch(td)
