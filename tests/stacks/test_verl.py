@@ -51,7 +51,8 @@ LOGGED = ("loss", "grad_norm", "actor/pg_loss", "actor/entropy_loss", "actor/ppo
 PER_TOKEN = ("old_log_probs", "entropys", "ref_log_prob", "values", "advantages")
 
 QWEN = Run("qwen2_6h")  # PPO (GAE, critic), dynamic batch size, gradient checkpointing; 6 heads over 3 KV heads
-LLAMA = Run("llama", estimator="grpo", dynamic_bsz=False, lora_rank=8)  # GRPO, LoRA, 2 sequences per micro-batch
+#: GRPO, LoRA, 2 sequences per micro-batch, a sampling temperature per sequence
+LLAMA = Run("llama", estimator="grpo", dynamic_bsz=False, lora_rank=8, sample_temperatures=True)
 HYBRID = Run("qwen3_5", estimator="grpo")  # Gated DeltaNet + attention
 CP = dict(engine=True)
 #: where the fixture saves every run's results when set (a path)
@@ -61,7 +62,7 @@ RUNS = {
         "hybrid_packed": Run("qwen3_5", estimator="grpo", dynamic_bsz=False)},
     2: {"qwen_cp2": Run("qwen2_6h", world=2, cp=2, probe=True, **CP),
         "qwen_ulysses2": Run("qwen2_6h", world=2, cp=2, refused=True),
-        "llama_cp2": Run("llama", world=2, cp=2, estimator="grpo", dynamic_bsz=False, lora_rank=8, **CP),
+        "llama_cp2": dataclasses.replace(LLAMA, world=2, cp=2, **CP),
         "hybrid_cp2": Run("qwen3_5", world=2, cp=2, estimator="grpo", **CP)},
     4: {"qwen_dp2_cp2": Run("qwen2_6h", world=4, cp=2, **CP), "qwen_cp4": Run("qwen2_6h", world=4, cp=4, **CP)},
 }
@@ -113,7 +114,7 @@ def assert_same_training(got: dict, want: dict, param_tol: float = PARAM_TOL) ->
         assert_params_close(g["actor_params"], w["actor_params"], param_tol, f"actor after step {step}")
     if "critic_params" in want:
         assert_params_close(got["critic_params"], want["critic_params"], PARAM_TOL, "critic")
-    assert want["actor_moved"] > 100 * PARAM_TOL, want["actor_moved"]  # the steps trained the actor
+    assert want["actor_moved"] > 10 * PARAM_TOL, want["actor_moved"]  # the steps trained the actor
 
 
 @pytest.mark.slow
@@ -134,6 +135,18 @@ def test_ppo_with_a_critic_equals_verls_engine_at_sp1(runs, name):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name, cp", [("qwen_cp2", 2), ("qwen_dp2_cp2", 2), ("qwen_cp4", 4), ("llama_cp2", 2),
+                                      ("hybrid_cp2", 2)])
+def test_every_micro_batch_is_sharded_over_the_cp_group(runs, name, cp):
+    """CP that silently does nothing (each rank on the whole row) would pass every comparison: each rank holds its
+    share of every micro-batch's row (plus the plan's padding to a multiple of cp)."""
+    shards = runs[name]["shards"]
+    assert len(shards) >= 4, shards  # log-probs, reference, (values), updates: every micro-batch of both steps
+    for world, local, row in shards:
+        assert world == cp and local == -(-row // cp), (world, local, row)
+
+
+@pytest.mark.slow
 def test_verls_ulysses_refuses_the_head_count_the_engine_trains(runs):
     assert "num_key_value_heads 3 must be divisible by ulysses_sp_size 2" in runs["qwen_ulysses2"]["refused"]
 
@@ -141,7 +154,7 @@ def test_verls_ulysses_refuses_the_head_count_the_engine_trains(runs):
 @pytest.mark.slow
 def test_grpo_with_lora_equals_verls_engine_at_sp1(runs):
     """A second family (Llama, 4 heads over 2), GRPO, LoRA rank 8 (reference log-probs: the actor with its adapters
-    disabled, as verl's driver computes them), two sequences per micro-batch."""
+    disabled, as verl's driver computes them), two sequences per micro-batch, each sequence its own temperature."""
     got, want = runs["llama_cp2"], runs["llama"]
     assert got["engines"] == {"actor": "BlockDiagCPEngineWithLMHead"}
     assert all("lora" in name for name in want["actor_params"]), sorted(want["actor_params"])[:3]

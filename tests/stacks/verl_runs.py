@@ -15,6 +15,7 @@ Nothing is downloaded: the models have random weights, the tokenizer is bytes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -99,6 +100,8 @@ class Run:
             unpacked: the per-document oracle of a hybrid under verl's own engine).
         probe: the leak probe after the steps (one response token changed: which log-probs move).
         refused: the run is expected to be refused while verl's workers are built; the error's text is returned.
+        sample_temperatures: each sequence its own sampling temperature (a ``temperature`` tensor in the batch, which
+            verl's engine spreads over the sequence's tokens), else 0.7 for all (verl's ``rollout.temperature``).
     """
 
     family: str
@@ -114,6 +117,7 @@ class Run:
     micro_batch: int = 2
     probe: bool = False
     refused: bool = False
+    sample_temperatures: bool = False
     prompts: int = 4
     n: int = 2
 
@@ -151,7 +155,7 @@ def overrides(run: Run, lm: str, value: str) -> list[str]:
         "critic.shuffle=false",
         "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.1",
         "actor_rollout_ref.actor.entropy_coeff=0.01", "actor_rollout_ref.rollout.temperature=0.7",
-        "actor_rollout_ref.actor.optim.lr=0.01", "critic.optim.lr=0.01",
+        "actor_rollout_ref.actor.optim.lr=0.001", "critic.optim.lr=0.001",
         f"actor_rollout_ref.actor.optim.total_training_steps={run.steps}", f"critic.optim.total_training_steps={run.steps}",
         f"algorithm.adv_estimator={run.estimator}",
         "actor_rollout_ref.actor.fsdp_config.use_torch_compile=false", "actor_rollout_ref.ref.fsdp_config.use_torch_compile=false",
@@ -184,8 +188,9 @@ def compose(run: Run, lm: str, value: str):
 
 def rollout_batch(run: Run, step: int):
     """The step's sequences as verl's rollout leaves them: ``prompts x n`` rows, prompts left-padded (3 to 12
-    tokens), responses right-padded (2 to 14 tokens), positions from the attention mask, a ``uid`` per prompt, and
-    token-level rewards on each response's last token (the share of its tokens below 128)."""
+    tokens), responses right-padded (2 to 14 tokens), positions from the attention mask, a ``uid`` per prompt,
+    token-level rewards on each response's last token (the share of its tokens below 128), the sampling
+    temperature(s)."""
     import numpy as np
     from verl import DataProto
 
@@ -210,8 +215,12 @@ def rollout_batch(run: Run, step: int):
         {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids, "prompts": input_ids[:, :P],
          "responses": input_ids[:, P:], "response_mask": mask[:, P:], "token_level_scores": rewards,
          "token_level_rewards": rewards},
-        meta_info={"temperature": 0.7, "global_token_num": mask.sum(-1).tolist()},
+        meta_info={"global_token_num": mask.sum(-1).tolist()},
     )
+    if run.sample_temperatures:
+        data.batch["temperature"] = 0.5 + 0.1 * (torch.arange(B) % 6)
+    else:
+        data.meta_info["temperature"] = 0.7
     data.non_tensor_batch["uid"] = np.array([str(prompt) for prompt, *_ in rows], dtype=object)
     return data
 
@@ -345,7 +354,6 @@ def ppo_step(config, run: Run, workers: dict[str, Any], step: int) -> dict[str, 
     keys = dict(global_batch_size=mini, mini_batch_size=mini, epochs=1, seed=42, dataloader_kwargs={"shuffle": False})
     if run.critic:
         out["critic"] = Dispatch(critic.engine).call(critic.train_mini_batch, no_padding(), keys, _metrics)[0]
-    batch.meta_info["temperature"] = 0.7
     out["actor"] = dispatch.call(actor.update_actor, no_padding(), dict(
         keys, calculate_entropy=True, distillation_use_topk=False, distillation_only=False, compute_loss=True),
         _metrics)[0]
@@ -403,6 +411,15 @@ def one_run(run: Run, root: str) -> dict[str, Any]:
             return {"refused": f"{type(exc).__name__}: {exc}"}
         raise AssertionError(f"{run} was expected to be refused")
     workers = build_workers(config, run)
+    with _recorded_shards() as shards:
+        out = _train(config, run, workers)
+    if run.engine:
+        out["shards"] = shards
+    return out
+
+
+def _train(config, run: Run, workers: dict[str, Any]) -> dict[str, Any]:
+    """The steps, the parameters after each, the engines' names, the probe."""
     actor_engine = workers["actor"].actor.engine
     start = trained_parameters(actor_engine)
     out: dict[str, Any] = {"steps": []}
@@ -420,6 +437,27 @@ def one_run(run: Run, root: str) -> dict[str, Any]:
     if run.probe:
         out["probe"] = leak_probe(run, workers["actor"])
     return out
+
+
+@contextlib.contextmanager
+def _recorded_shards():
+    """``[(CP world, this rank's positions, the row's tokens)]`` of every micro-batch the engine shards in the block
+    (its module's `shard_packed_row`, wrapped): CP that silently did nothing would show world 1."""
+    import blockdiag_cp.integrations.verl as engine_module
+
+    seen: list[tuple[int, int, int]] = []
+    shard = engine_module.shard_packed_row
+
+    def recorded(cp_mesh, cu_seqlens, model_inputs, output_args, config):
+        ctx, inputs, args = shard(cp_mesh, cu_seqlens, model_inputs, output_args, config)
+        seen.append((ctx.state.world, inputs["input_ids"].shape[1], model_inputs["input_ids"].shape[1]))
+        return ctx, inputs, args
+
+    engine_module.shard_packed_row = recorded
+    try:
+        yield seen
+    finally:
+        engine_module.shard_packed_row = shard
 
 
 def worker(rank: int, world: int, runs: tuple[Run, ...], root: str) -> Optional[list[dict[str, Any]]]:
