@@ -33,17 +33,10 @@ from blockdiag_cp.errors import InvariantError  # noqa: E402
 from blockdiag_cp.integrations.verl import (  # noqa: E402
     VENDOR, BlockDiagCPEngineWithLMHead, BlockDiagCPEngineWithValueHead, MicroBatchSteps, refusal)
 
-#: float32: per-token values to 1e-5 relative to their largest (observed 5e-7 before any update, 1.1e-5 on log-probs
-#: of about 6 after one), logged losses and grad norms to 1e-5 relative (observed
-#: 1e-7; below 1e-6 in absolute value a loss is rounding noise: the first step's policy loss), parameters to 1e-4
-#: absolute (observed 1e-5 after AdamW steps at lr 0.01, which turn gradient rounding into steps of ~lr)
+#: float32: per-token values to 1e-5 relative to their largest (observed 1e-6 on log-probs of about 6), logged losses
+#: and grad norms to 1e-5 relative (observed up to 8e-6 on the KL loss; below 1e-6 in absolute value a loss is
+#: rounding noise: the first step's policy loss), parameters to 1e-4 absolute (observed 4e-6 after AdamW at lr 1e-3)
 TOKEN_TOL, LOSS_TOL, LOSS_FLOOR, PARAM_TOL = 1e-5, 1e-5, 1e-6, 1e-4
-#: the hybrid's parameters (every other one's within PARAM_TOL). The gradients of the Gated DeltaNet's decay (A_log,
-#: dt_bias, in_proj_a) cancel to about 1e-4 of their terms; handing a document's recurrent state across CP ranks
-#: (mixers/recurrence.py) rounds them about 1e-4 relative apart from one rank's run (measured outside verl, float32;
-#: float64 agrees to 1e-8: tests/integrations/test_hybrid_models.py), and AdamW turns that into 2e-5 to 1.1e-4 on those
-#: parameters after the first step and 5.5e-4 after the second (observed; at cp 1 every parameter stays within 2e-5)
-HYBRID_PARAM_TOL = 1e-3
 #: the logged values compared (per step); per micro-batch lists (vpred_mean, kl_coef) follow the micro-batching,
 #: which dynamic batch size sizes by tokens per rank
 LOGGED = ("loss", "grad_norm", "actor/pg_loss", "actor/entropy_loss", "actor/ppo_kl", "actor/pg_clipfrac", "kl_loss",
@@ -58,13 +51,15 @@ CP = dict(engine=True)
 #: where the fixture saves every run's results when set (a path)
 DUMP = "BLOCKDIAG_CP_VERL_DUMP"
 RUNS = {
-    1: {"qwen": QWEN, "llama": LLAMA, "hybrid_alone": Run("qwen3_5", estimator="grpo", dynamic_bsz=False, micro_batch=1),
-        "hybrid_packed": Run("qwen3_5", estimator="grpo", dynamic_bsz=False)},
-    2: {"qwen_cp2": Run("qwen2_6h", world=2, cp=2, probe=True, **CP),
-        "qwen_ulysses2": Run("qwen2_6h", world=2, cp=2, refused=True),
+    1: {"qwen": QWEN, "llama": LLAMA,
+        "hybrid_alone": dataclasses.replace(HYBRID, dynamic_bsz=False, micro_batch=1),  # nothing packed: the oracle
+        "hybrid_packed": dataclasses.replace(HYBRID, dynamic_bsz=False)},  # verl's engine on packed micro-batches
+    2: {"qwen_cp2": dataclasses.replace(QWEN, world=2, cp=2, probe=True, **CP),
+        "qwen_ulysses2": dataclasses.replace(QWEN, world=2, cp=2, refused=True),  # verl's Ulysses
         "llama_cp2": dataclasses.replace(LLAMA, world=2, cp=2, **CP),
-        "hybrid_cp2": Run("qwen3_5", world=2, cp=2, estimator="grpo", **CP)},
-    4: {"qwen_dp2_cp2": Run("qwen2_6h", world=4, cp=2, **CP), "qwen_cp4": Run("qwen2_6h", world=4, cp=4, **CP)},
+        "hybrid_cp2": dataclasses.replace(HYBRID, world=2, cp=2, **CP)},
+    4: {"qwen_dp2_cp2": dataclasses.replace(QWEN, world=4, cp=2, **CP),
+        "qwen_cp4": dataclasses.replace(QWEN, world=4, cp=4, **CP)},
 }
 
 
@@ -99,9 +94,8 @@ def assert_params_close(got: dict, want: dict, tol: float, where: str) -> None:
     assert moved[worst] <= tol, (where, worst, moved[worst])
 
 
-def assert_same_training(got: dict, want: dict, param_tol: float = PARAM_TOL) -> None:
-    """Per-token outputs, logged values and the parameters after every step (the actor's within `param_tol`) of two
-    runs of the same steps agree."""
+def assert_same_training(got: dict, want: dict) -> None:
+    """Per-token outputs, logged values and the parameters after every step of two runs of the same steps agree."""
     assert len(got["steps"]) == len(want["steps"])
     for step, (g, w) in enumerate(zip(got["steps"], want["steps"])):
         for key in PER_TOKEN:
@@ -111,7 +105,7 @@ def assert_same_training(got: dict, want: dict, param_tol: float = PARAM_TOL) ->
         for role in ("actor", "critic"):
             if role in w:
                 assert_close_logged(g[role], w[role], f"step {step} {role}")
-        assert_params_close(g["actor_params"], w["actor_params"], param_tol, f"actor after step {step}")
+        assert_params_close(g["actor_params"], w["actor_params"], PARAM_TOL, f"actor after step {step}")
     if "critic_params" in want:
         assert_params_close(got["critic_params"], want["critic_params"], PARAM_TOL, "critic")
     assert want["actor_moved"] > 10 * PARAM_TOL, want["actor_moved"]  # the steps trained the actor
@@ -168,9 +162,9 @@ def test_a_hybrid_equals_each_sequence_run_alone(runs):
     packed micro-batches lets one sequence's recurrent state reach the next (transformers' torch path of the layer
     takes no document boundaries), which the comparison's last line shows."""
     got, alone, packed = runs["hybrid_cp2"], runs["hybrid_alone"], runs["hybrid_packed"]
-    assert_same_training(got, alone, param_tol=HYBRID_PARAM_TOL)
+    assert_same_training(got, alone)
     leak = float((packed["steps"][0]["old_log_probs"] - alone["steps"][0]["old_log_probs"]).abs().max())
-    assert leak > 1e-3, leak  # observed 2.6e-3 on the first step's old log-probs
+    assert leak > 1e-3, leak  # observed 3.3e-3 on the first step's old log-probs
 
 
 @pytest.mark.slow
