@@ -67,6 +67,8 @@ RUNS = {
 def runs(tmp_path_factory) -> dict:
     """Every run of `RUNS`: one launch per world size, side by side."""
     root = tmp_path_factory.mktemp("verl")
+    for run in (run for named in RUNS.values() for run in named.values()):
+        write_model(root, run.family, value=run.critic)  # here, once: the launches' threads then only read them
     with concurrent.futures.ThreadPoolExecutor(len(RUNS)) as pool:
         launched = {world: pool.submit(launch, tuple(named.values()), root) for world, named in RUNS.items()}
         out = {}

@@ -63,7 +63,8 @@ def model_paths(root: pathlib.Path, family: str) -> tuple[str, str]:
 
 def write_model(root: pathlib.Path, family: str, value: bool = True) -> tuple[str, str]:
     """The family's causal LM (actor / reference) and, with `value`, a value model of the same shape (critic,
-    ``num_labels=1``), each with the tokenizer, under `root` (once); returns their paths."""
+    ``num_labels=1``), each with the tokenizer, under `root` (once); returns their paths. Not thread-safe (torch's
+    global seed): write a family before launches that share it run side by side."""
     import transformers
 
     config_name, sizes = MODELS[family]
@@ -411,7 +412,7 @@ def one_run(run: Run, root: str) -> dict[str, Any]:
             return {"refused": f"{type(exc).__name__}: {exc}"}
         raise AssertionError(f"{run} was expected to be refused")
     workers = build_workers(config, run)
-    with _recorded_shards() as shards:
+    with _recorded_shards() if run.engine else contextlib.nullcontext([]) as shards:
         out = _train(config, run, workers)
     if run.engine:
         out["shards"] = shards
