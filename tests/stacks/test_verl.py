@@ -31,7 +31,7 @@ from verl_runs import Run, launch, write_model  # noqa: E402
 
 from blockdiag_cp.errors import InvariantError  # noqa: E402
 from blockdiag_cp.integrations.verl import (  # noqa: E402
-    VENDOR, BlockDiagCPEngineWithLMHead, BlockDiagCPEngineWithValueHead, MicroBatchSteps, refusal)
+    VENDOR, BlockDiagCPEngineWithLMHead, BlockDiagCPEngineWithValueHead, MicroBatchSteps, attend_per_document, refusal)
 
 #: float32: per-token values to 1e-5 relative to their largest (observed 1e-6 on log-probs of about 6), logged losses
 #: and grad norms to 1e-5 relative (observed up to 8e-6 on the KL loss; below 1e-6 in absolute value a loss is
@@ -271,3 +271,12 @@ def test_micro_batch_steps_outside_verls_loop_are_invariant_errors():
         with steps.training_micro_batch():
             with steps.forward(training=False):
                 pass
+
+
+def test_a_loaded_model_attends_per_document_and_trls_value_head_is_refused(model_config):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_config.local_path, attn_implementation="sdpa")
+    assert attend_per_document(model).config._attn_implementation == "blockdiag_cp"  # verl's critic: loaded with FA2
+    with pytest.raises(ValueError, match="Sequential is refused"):
+        attend_per_document(torch.nn.Sequential(model))  # a wrapper (trl's value head) reaches no attention of ours

@@ -64,8 +64,8 @@ from ..step.inputs import pad_to
 from ..step.pipeline import TrainCtx
 from ..step.state import StepState
 
-__all__ = ("BlockDiagCPEngineWithLMHead", "BlockDiagCPEngineWithValueHead", "MicroBatchSteps", "VENDOR", "refusal",
-           "shard_packed_row")
+__all__ = ("BlockDiagCPEngineWithLMHead", "BlockDiagCPEngineWithValueHead", "MicroBatchSteps", "VENDOR",
+           "attend_per_document", "refusal", "shard_packed_row")
 
 #: the ``VERL_ENGINE_VENDOR`` that selects these engines
 VENDOR = "blockdiag_cp"
@@ -141,6 +141,22 @@ def _own_positions(values_S: torch.Tensor, state: StepState, fill: Any) -> torch
     """``[S]`` per-token values of the row -> ``[L]`` this rank's positions (the plan's padding: `fill`)."""
     padded = pad_to(values_S, 0, state.plan.padded_len, fill)
     return padded.index_select(0, state.positions.to(values_S.device))
+
+
+def attend_per_document(module: torch.nn.Module) -> torch.nn.Module:
+    """verl's freshly loaded model attending through blockdiag-cp (verl loads value models with flash attention 2:
+    switched), its token mixers routed per document (`prepare_model`, which refuses what it cannot route); a model
+    that is not a transformers model (trl's ``AutoModelForCausalLMWithValueHead``, verl's fallback critic) is
+    refused by name."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(module, PreTrainedModel):
+        raise ValueError(f"{WHERE}: {type(module).__name__} is refused: the engine verifies transformers models (for "
+                         "a critic, a token-classification model with num_labels=1, which verl loads first)")
+    if module.config._attn_implementation != ATTN_IMPLEMENTATION:
+        module.set_attn_implementation(ATTN_IMPLEMENTATION)
+    prepare_model(module, f"in {WHERE}")
+    return module
 
 
 class MicroBatchSteps:
@@ -225,10 +241,7 @@ class _PerDocumentCP:
             module = super()._build_module()
         finally:
             self.ulysses_sequence_parallel_size = cp_size
-        if module.config._attn_implementation != ATTN_IMPLEMENTATION:  # verl loads value models with flash attention
-            module.set_attn_implementation(ATTN_IMPLEMENTATION)
-        prepare_model(module, f"in {WHERE}")
-        return module
+        return attend_per_document(module)
 
     @contextlib.contextmanager
     def _gradient_sync_context(self, *, is_last_micro_batch: bool) -> Iterator[None]:
