@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole device check in one call (about 6 minutes on one H200, plus torchtitan where .whl/ holds it and verl where
-# it imports): the CUDA tests, benchmarks/gpu_check.py, then FSDP2 through the Trainer (benchmarks/gpu_fsdp2_trainer.py). Run from the
-# repository root; logs go to $OUT (or ./gpu_out).
+# it imports): the CUDA tests, benchmarks/gpu_check.py, then FSDP2 through the Trainer (benchmarks/gpu_fsdp2_trainer.py).
+# Run from the repository root; logs go to $OUT (or ./gpu_out).
 # The project runs from src/ on PYTHONPATH: nothing is installed.
 set -u
 out=${OUT:-gpu_out}; mkdir -p "$out"

@@ -53,7 +53,8 @@ DUMP = "BLOCKDIAG_CP_VERL_DUMP"
 RUNS = {
     1: {"qwen": QWEN, "llama": LLAMA,
         "hybrid_alone": dataclasses.replace(HYBRID, dynamic_bsz=False, micro_batch=1),  # nothing packed: the oracle
-        "hybrid_packed": dataclasses.replace(HYBRID, dynamic_bsz=False)},  # verl's engine on packed micro-batches
+        "hybrid_packed": dataclasses.replace(HYBRID, dynamic_bsz=False),  # verl's engine on packed micro-batches
+        "hybrid_cp1": dataclasses.replace(HYBRID, **CP)},  # the engine without CP: per document all the same
     2: {"qwen_cp2": dataclasses.replace(QWEN, world=2, cp=2, probe=True, **CP),
         "qwen_ulysses2": dataclasses.replace(QWEN, world=2, cp=2, refused=True),  # verl's Ulysses
         "llama_cp2": dataclasses.replace(LLAMA, world=2, cp=2, **CP),
@@ -159,12 +160,13 @@ def test_grpo_with_lora_equals_verls_engine_at_sp1(runs):
 
 @pytest.mark.slow
 def test_a_hybrid_equals_each_sequence_run_alone(runs):
-    """Qwen3.5 (Gated DeltaNet and attention layers) at cp 2, micro-batches of several sequences, against verl's own
+    """Qwen3.5 (Gated DeltaNet and attention layers) at cp 2 and 1, micro-batches of several sequences, against verl's own
     engine with each sequence alone in its micro-batch (nothing packed, so nothing can leak); verl's engine on the same
     packed micro-batches lets one sequence's recurrent state reach the next (transformers' torch path of the layer
     takes no document boundaries), which the comparison's last line shows."""
     got, alone, packed = runs["hybrid_cp2"], runs["hybrid_alone"], runs["hybrid_packed"]
     assert_same_training(got, alone)
+    assert_same_training(runs["hybrid_cp1"], alone)  # the engine at cp 1 (one rank): packed, per document
     leak = float((packed["steps"][0]["old_log_probs"] - alone["steps"][0]["old_log_probs"]).abs().max())
     assert leak > 1e-3, leak  # observed 3.3e-3 on the first step's old log-probs
 
