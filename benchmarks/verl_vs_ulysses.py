@@ -20,8 +20,8 @@ Per case and method: **exact** = the largest |log-prob - verl's engine at sp 1| 
 process, sdpa: transformers' per-document mask from the restarting ``position_ids``), within 1e-5 relative;
 **bytes/layer**: what the busiest rank sends inside the attention calls (the ``wchar`` delta of /proc/self/io,
 brackets from benchmarks/vs_ulysses_alst.py) of one training step (forward and backward), per layer; **step ms**:
-the median wall time of ``train_batch`` over the steps after the first, slowest rank; a head count verl's Ulysses
-refuses is ``refused``.
+the median wall time of ``train_batch`` over the steps after the first, slowest rank (**CPU ms**: the same of the
+rank's CPU time, less moved by other work on the machine); a head count verl's Ulysses refuses is ``refused``.
 """
 
 from __future__ import annotations
@@ -164,14 +164,15 @@ def worker(rank: int, world: int, case: dict, method: str, root: str) -> dict:
     impl = actor.engine.module.config._attn_implementation
     meter = AttentionBytes()
     ALL_ATTENTION_FUNCTIONS[impl] = meter.wrap(ALL_ATTENTION_FUNCTIONS[impl])
-    ms, sent = [], []
+    ms, cpu_ms, sent = [], [], []
     for _ in range(case["steps"]):
         td, _ = batch(case["tokens"])
-        meter.total, t0 = 0, time.perf_counter()
+        meter.total, t0, c0 = 0, time.perf_counter(), time.process_time()
         actor.train_batch(td)
         ms.append((time.perf_counter() - t0) * 1e3)
+        cpu_ms.append((time.process_time() - c0) * 1e3)
         sent.append(meter.total / LAYERS)
-    return {"log_probs": log_probs, "mask": response_mask, "ms": ms, "bytes": sent[-1]}
+    return {"log_probs": log_probs, "mask": response_mask, "ms": ms, "cpu_ms": cpu_ms, "bytes": sent[-1]}
 
 
 def run_case(case: dict, method: str, world: int, root: str) -> dict:
@@ -182,6 +183,7 @@ def run_case(case: dict, method: str, world: int, root: str) -> dict:
         return ranks[0]
     return {"log_probs": ranks[0]["log_probs"], "mask": ranks[0]["mask"],
             "ms": max(statistics.median(r["ms"][1:] or r["ms"]) for r in ranks),
+            "cpu_ms": max(statistics.median(r["cpu_ms"][1:] or r["cpu_ms"]) for r in ranks),
             "bytes": max(r["bytes"] for r in ranks)}
 
 
@@ -194,8 +196,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     sys.path.insert(0, STACKS)
     with tempfile.TemporaryDirectory() as root:
-        print("| heads | sp | method | exact (max abs log-prob error) | bytes/layer (busiest rank) | step ms |")
-        print("|---|---|---|---|---|---|")
+        print("| heads | sp | method | exact (max abs log-prob error) | bytes/layer (busiest rank) | step ms | CPU ms |")
+        print("|---|---|---|---|---|---|---|")
         for heads in args.heads.split(","):
             h, hk = (int(x) for x in heads.split("/"))
             case = {"model": case_model(root, h, hk), "tokens": args.tokens, "steps": args.steps}
@@ -204,14 +206,14 @@ def main(argv=None) -> None:
                 for method in METHODS:
                     got = run_case(case, method, sp, root)
                     if "refused" in got:
-                        print(f"| {heads} | {sp} | {method} | refused: {got['refused']} | - | - |", flush=True)
+                        print(f"| {heads} | {sp} | {method} | refused: {got['refused']} | - | - | - |", flush=True)
                         continue
                     mask = reference["mask"]
                     error = float((got["log_probs"] - reference["log_probs"])[mask].abs().max())
                     scale = float(reference["log_probs"][mask].abs().max())
                     verdict = "yes" if error <= 1e-5 * scale else "**no**"
                     print(f"| {heads} | {sp} | {method} | {verdict} ({error:.2g}) | {got['bytes'] / 1024:.0f} KiB | "
-                          f"{got['ms']:.0f} |", flush=True)
+                          f"{got['ms']:.0f} | {got['cpu_ms']:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
