@@ -31,7 +31,7 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "stacks"))
-from torchtitan_assets import CONFIG_MODULE, write_assets  # noqa: E402
+from torchtitan_assets import config_module, write_assets  # noqa: E402
 
 STEPS = 3
 SEQ_LEN = 256
@@ -48,8 +48,7 @@ def install_wheels(wheels: pathlib.Path, target: pathlib.Path) -> None:
 def launch(root: pathlib.Path, name: str, config_fn: str, pythonpath: list[str]) -> tuple[dict, float]:
     cfg_dir = root / f"cfg_{name}"
     cfg_dir.mkdir()
-    (cfg_dir / "tt_tiny_config.py").write_text(CONFIG_MODULE.format(
-        tok=str(root / "tok"), data=str(root / "data"), seq_len=SEQ_LEN, steps=STEPS, dump=str(root / f"out_{name}")))
+    (cfg_dir / "tt_tiny_config.py").write_text(config_module(root, seq_len=SEQ_LEN, steps=STEPS, dump=root / f"out_{name}"))
     out = root / f"{name}.pt"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(cfg_dir), *pythonpath]),
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(root / "hf_cache")}

@@ -134,7 +134,7 @@ def common_args(s: dict, output_dir: str) -> dict:
     return {**dict(output_dir=output_dir, per_device_train_batch_size=s["batch"], per_device_eval_batch_size=s["batch"],
                    gradient_accumulation_steps=s["accum"], learning_rate=s["lr"], max_steps=s["steps"], logging_steps=1,
                    save_strategy="no", report_to="none", seed=0, data_seed=0, use_cpu=True, disable_tqdm=True,
-                   bf16=False), **s["args"]}
+                   bf16=False, include_num_input_tokens_seen="non_padding"), **s["args"]}
 
 
 def build(s: dict, output_dir: str):
@@ -244,6 +244,7 @@ def run(s: dict) -> dict:
     steps = [e for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
     params = torch.cat([p.detach().double().reshape(-1) for p in full_parameters(trainer)])
     return {"steps": steps, "eval_loss": metrics.get("eval_loss"), "params": params,
+            "tokens_seen": trainer.state.num_input_tokens_seen,
             "wrapper": wrapper_of(trainer), "cp_size": getattr(trainer, "cp_size", None),
             "dp_size": getattr(trainer, "dp_size", None), "planning_threads_after_train": planning,
             "metrics": {k: v for k, v in metrics.items() if not k.endswith(("runtime", "per_second"))}}
@@ -277,10 +278,14 @@ def launched_as(rank: int, world: int) -> None:
 
 def assert_same(got: dict, want: dict, keys=("loss", "grad_norm"), tol: float = 1e-6, param_tol: float = 1e-6,
                 label: str = "", eval_tol: float | None = None) -> None:
-    """Every logged step's `keys` within `tol` relative, the eval loss within `eval_tol` (default `tol`), and
-    the parameters within `param_tol`."""
+    """Every logged step's `keys` within `tol` relative, the eval loss within `eval_tol` (default `tol`), the
+    tokens seen equal (each replica's batch counted once, not once per CP rank), and the parameters within
+    `param_tol`."""
     eval_tol = tol if eval_tol is None else eval_tol
     assert len(got["steps"]) == len(want["steps"]) >= 2, (label, got["steps"], want["steps"])
+    if "tokens_seen" in got or "tokens_seen" in want:  # every run of this module reports it (stacks' logs may not)
+        assert got.get("tokens_seen") == want.get("tokens_seen") > 0, (label, "tokens seen", got.get("tokens_seen"),
+                                                                        want.get("tokens_seen"))
     for i, (a, b) in enumerate(zip(got["steps"], want["steps"]), 1):
         for key in keys:
             assert abs(a[key] - b[key]) <= tol * max(1.0, abs(b[key])), (label, "step", i, key, a[key], b[key])

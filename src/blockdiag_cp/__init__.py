@@ -55,6 +55,7 @@ if _typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time each n
     from .step.batch import make_cp_batch_and_ctx, make_cp_blockdiag_batch_and_ctx
     from .step.doc_ids import _cp_blockdiag_doc_ids, resolve_doc_ids
     from .step.gather import gather_sequence
+    from .step.micro_batches import PipelineSteps, make_cp_pipeline_batch_and_ctx
     from .step.slot import current_step
     from .step.state import StepState
     from .step.prefetch import prefetched_world_steps
@@ -66,6 +67,7 @@ __version__ = "0.12.0"
 __all__ = (
     "CPConfig",
     "HeadsConfig",
+    "PipelineSteps",
     "PlanOptions",
     "ShardPlan",
     "StepCosts",
@@ -76,6 +78,7 @@ __all__ = (
     "gather_sequence",
     "make_cp_batch_and_ctx",
     "make_cp_blockdiag_batch_and_ctx",
+    "make_cp_pipeline_batch_and_ctx",
     "make_cp_world_batch_and_ctx",
     "plan_rank_state",
     "plan_shards",
@@ -89,6 +92,7 @@ __all__ = (
 _HOMES = _types.MappingProxyType({
     "CPConfig": ".config",
     "HeadsConfig": ".config",
+    "PipelineSteps": ".step.micro_batches",
     "PlanOptions": ".plan.options",
     "ShardPlan": ".plan",
     "StepCosts": ".plan.step_costs",
@@ -99,6 +103,7 @@ _HOMES = _types.MappingProxyType({
     "gather_sequence": ".step.gather",
     "make_cp_batch_and_ctx": ".step.batch",
     "make_cp_blockdiag_batch_and_ctx": ".step.batch",
+    "make_cp_pipeline_batch_and_ctx": ".step.micro_batches",
     "make_cp_world_batch_and_ctx": ".step.world",
     "plan_rank_state": ".step.world_plan",
     "plan_shards": ".plan",

@@ -109,10 +109,10 @@ def prefetch_worker(rank, world, batches_rows, dp, exchange):
     def run(ctx, shard, leaf):
         out = attend(ctx, shard)
         out.pow(2).sum().backward()
-        return dict(summary(ctx.state, ctx.replica_of_row), ids=shard["labels"].tolist(),
+        return dict(summary(ctx.state, ctx.replica_of_row), layout=ctx.state.config.layout, ids=shard["labels"].tolist(),
                     positions=shard["position_ids"].tolist(), out=out.detach(), grad=leaf.grad)
 
-    config = config_of(exchange)
+    config = None if exchange is None else config_of(exchange)  # None: each entry's own default (both grouped)
     plain = []
     for i, rows in enumerate(batches_rows):
         batch = batch_of(rows, i)
@@ -132,11 +132,13 @@ def prefetch_worker(rank, world, batches_rows, dp, exchange):
     return plain, prefetched
 
 
-@pytest.mark.parametrize("dp, exchange", [(2, "auto"), (4, "a2a")])
+@pytest.mark.parametrize("dp, exchange", [(2, "auto"), (4, "a2a"), (2, None)])
 def test_prefetched_steps_equal_the_steps_without_prefetch(dp, exchange, rank_pools):
+    """Given a config, and given none: the prefetcher's default plan is the whole-batch entry's (``grouped``)."""
     batches = [random_rows(100 + i, dp) for i in range(3)]
     for plain, prefetched in rank_pools(4).run(prefetch_worker, batches, dp, exchange):
         assert len(plain) == len(prefetched) == 3
+        assert {step["layout"] for step in plain + prefetched} == {"grouped"}
         for a, b in zip(plain, prefetched):
             assert {k: v for k, v in a.items() if k not in ("out", "grad")} == \
                 {k: v for k, v in b.items() if k not in ("out", "grad")}

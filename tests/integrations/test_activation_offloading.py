@@ -45,7 +45,8 @@ def offloaded_run(rank: int, world: int, s: dict) -> dict:
         trainer.train()
     steps = [e for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
     params = torch.cat([p.detach().double().reshape(-1) for p in tr.full_parameters(trainer)])
-    return {"steps": steps, "params": params, "eval_loss": None, "packed": context.tensor_id}
+    return {"steps": steps, "params": params, "eval_loss": None, "packed": context.tensor_id,
+            "tokens_seen": trainer.state.num_input_tokens_seen}
 
 
 @pytest.mark.slow

@@ -42,7 +42,8 @@ def linear_ce_run(rank: int, world: int, s: dict) -> dict:
         trainer.train()
     steps = [e for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
     params = torch.cat([p.detach().double().reshape(-1) for p in trainer.model.parameters()])
-    return {"steps": steps, "eval_loss": None, "params": params, "calls": sum(headless)}
+    return {"steps": steps, "eval_loss": None, "params": params, "calls": sum(headless),
+            "tokens_seen": trainer.state.num_input_tokens_seen}
 
 
 @pytest.mark.parametrize("smoothing, accepts_loss_kwargs", [(0.0, True), (0.1, True), (0.0, False)])

@@ -289,6 +289,47 @@ def test_every_cp_rank_reads_what_its_replica_reads_without_cp(iterable, dp, cp,
         assert batches_and_remainder(ours) == batches_and_remainder(without_cp), (rank, dp_rank)
 
 
+class RepackedEachEpoch(torch.utils.data.Sampler):
+    """A batch sampler whose batches depend on the epoch it is given (axolotl's multipack re-packs per epoch)."""
+
+    def __init__(self, n: int):
+        self.n, self.epoch = n, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch)).tolist()
+        return iter([order[i:i + 3] for i in range(0, self.n, 3)])
+
+    def __len__(self) -> int:
+        return -(-self.n // 3)
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_each_epoch_reaches_a_wrapped_batch_sampler_at_dp1(cp):
+    """At dp 1 every CP rank reads the batches the single process reads in each epoch, when the batch sampler
+    re-packs per epoch: the Trainer's ``set_epoch`` on the prepared loader reaches the sampler accelerate wraps."""
+    from accelerate.data_loader import prepare_data_loader
+
+    from blockdiag_cp.trainer import _shard_over_dp
+
+    def raw():
+        return torch.utils.data.DataLoader(list(range(10)), batch_sampler=RepackedEachEpoch(10))
+
+    without_cp = prepare_data_loader(raw(), num_processes=1, process_index=0)
+    ranks = [_shard_over_dp(prepare_data_loader(raw(), num_processes=cp, process_index=r), 1, 0, cp) for r in range(cp)]
+    seen = []
+    for epoch in range(3):
+        for loader in (without_cp, *ranks):
+            loader.set_epoch(epoch)
+        want = [b.tolist() for b in without_cp]
+        seen.append(want)
+        for rank, loader in enumerate(ranks):
+            assert [b.tolist() for b in loader] == want, (epoch, rank)
+    assert seen[0] != seen[1] != seen[2]  # the sampler did re-pack: the test can tell an epoch that did not arrive
+
+
 @pytest.mark.slow
 def test_the_sharded_recipe_resumes_as_it_would_have_run(tmp_path):
     """The README's recipe flags of `examples/train_trainer.py` on CPU: ZeRO-2 (``--zero``), the linear-CE loss, a

@@ -103,6 +103,9 @@ _DEEPSPEED_UNVERIFIED = types.MappingProxyType({
     "fp16": "fp16 with DeepSpeed's loss scaler: use bf16",
     "amp": "apex AMP: use bf16",
     "sequence_parallel_size": "DeepSpeed's own sequence parallelism (Ulysses): use the mixin's cp_size",
+    "sequence_parallel": "DeepSpeed's own sequence parallelism (ALST / Ulysses, LLaMA-Factory's ds_z3_alst_config): use "
+                         "the mixin's cp_size",
+    "fp8": "FP8 training (LLaMA-Factory's ds_z3_fp8_config): use bf16",
     "tensor_parallel": "DeepSpeed's tensor parallelism (AutoTP)",
     "communication_data_type": "reductions in another dtype than the gradients'",
     "offload_param": "ZeRO-Offload of the parameters",
@@ -119,9 +122,9 @@ _DEEPSPEED_UNVERIFIED = types.MappingProxyType({
 def deepspeed_problem(config: Any) -> str:
     """What in a ``deepspeed=`` value (a config dict or a JSON file's path) is not verified under CP, or ``""``.
 
-    Verified (`ZERO_TESTS`): ZeRO stages 1, 2 and 3 with fp32 or bf16 weights, gradient accumulation, gradient
-    clipping, DeepSpeed's or the Trainer's optimizer and schedule. Set to anything but off, each key of
-    `_DEEPSPEED_UNVERIFIED` is named."""
+    Verified (`ZERO_TESTS`): ZeRO stages 1, 2 and 3 with fp32 or bf16 weights, gradient accumulation and clipping,
+    DeepSpeed's or the Trainer's optimizer and schedule, the optimizer offloaded (tests/stacks/test_axolotl.py).
+    Set to anything but off, each key of `_DEEPSPEED_UNVERIFIED` is named."""
     if config is None or config == "":
         return ""  # no DeepSpeed
     if isinstance(config, (str, os.PathLike)):
@@ -168,22 +171,14 @@ _FSDP_VERIFIED = types.MappingProxyType({
     "xla": lambda v: str(v).lower() == "false",
     "xla_fsdp_v2": lambda v: str(v).lower() == "false",
     "xla_fsdp_grad_ckpt": lambda v: str(v).lower() == "false",
-    "activation_checkpointing": lambda v: True,  # accelerate's checkpoint wrapper re-runs each layer in its backward
+    "activation_checkpointing": lambda v: True,  # accelerate's wrapper re-runs each layer in backward (test_axolotl)
     "reshard_after_forward": lambda v: True,
     "state_dict_type": lambda v: str(v).upper().split(".")[-1] in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"),
     "auto_wrap_policy": lambda v: True,  # where fully_shard cuts the model: not what it computes
-    "transformer_layer_cls_to_wrap": lambda v: True,
-    "min_num_params": lambda v: True,
-    "cpu_ram_efficient_loading": lambda v: True,
-    "sync_module_states": lambda v: True,
-    # axolotl's spellings (its fsdp_config goes to the Trainer as it is): offload_params is its cpu_offload; FSDP2
-    # keeps the original parameters whatever use_orig_params says; the pinned memory serves offloading only; and
-    # final_state_dict_type is how it saves the model at the end
-    "offload_params": lambda v: str(v).lower() in ("false", "none"),
-    "use_orig_params": lambda v: True,
-    "cpu_offload_pin_memory": lambda v: True,
-    "final_state_dict_type": lambda v: v is None or str(v).upper().split(".")[-1] in ("FULL_STATE_DICT",
-                                                                                      "SHARDED_STATE_DICT"),
+    # how the model is cut, loaded and saved, or what FSDP2 ignores (use_orig_params; pinning serves offloading)
+    **dict.fromkeys(("transformer_layer_cls_to_wrap", "min_num_params", "cpu_ram_efficient_loading", "sync_module_states",
+                     "use_orig_params", "cpu_offload_pin_memory", "final_state_dict_type"), lambda v: True),
+    "offload_params": lambda v: str(v).lower() in ("false", "none"),  # axolotl's name for cpu_offload
 })
 
 
@@ -191,8 +186,8 @@ def fsdp_config_problem(config: Any) -> str:
     """What in ``fsdp_config`` (as transformers normalizes it) is not verified under CP, or ``""``.
 
     Verified (`FSDP2_TESTS`): accelerate's FSDP2 (``version`` 2, the default), resharding after forward or not,
-    full and sharded state dicts, any wrap policy; refused: FSDP1, CPU offload, XLA, FSDP's own activation
-    checkpointing (use the Trainer's ``gradient_checkpointing``), keys this table does not know."""
+    full and sharded state dicts, any wrap policy, FSDP's activation checkpointing (tests/stacks/test_axolotl.py);
+    refused: FSDP1, CPU offload, XLA, keys this table does not know."""
     if not config:
         return ""
     if not isinstance(config, dict):
@@ -288,6 +283,15 @@ TRAINING_ARGUMENTS = types.MappingProxyType({
                                "tp_size and sp_size are refused", kinds=ROWS),
     **_rules(REFUSED, "Liger kernels replace the model's loss forward, which would shift labels inside each shard: "
              "turn them off under the mixin; for a loss that never holds the logits pass linear_ce=True to the mixin", "use_liger_kernel"),
+})
+
+#: ``TrainingArguments`` fields of earlier transformers 5.x that later ones dropped (LLaMA-Factory 0.9.5 pins
+#: transformers 5.6, whose LR schedule still reads ``warmup_ratio``)
+FORMER_TRAINING_ARGUMENTS = types.MappingProxyType({
+    "warmup_ratio": Rule(VERIFIED, "the schedule's warmup as a fraction of the steps, stepped from the reduced "
+                         "gradients as warmup_steps: tests/stacks/test_llamafactory.py::"
+                         "test_lora_at_cp2_equals_llamafactory_and_resumes_to_the_same_end"),
+    "logging_dir": Rule(INERT, "where the logs of a reporting integration go"),
 })
 
 #: ``SFTConfig``'s own fields (TRL 1.x)
@@ -394,7 +398,7 @@ def rule_for(args: Any, name: str) -> Optional[Rule]:
         table = RULES_BY_CONFIG.get(cls.__name__) if cls.__module__.split(".")[0] in ("transformers", "trl") else None
         if table is not None and name in table:
             return table[name]
-    return None
+    return FORMER_TRAINING_ARGUMENTS.get(name)  # asked only for the fields `args` has
 
 
 def refusals(args: Any, kind: str) -> list[str]:

@@ -2,10 +2,11 @@
 
     torchrun --nproc-per-node 2 -m blockdiag_cp.integrations.llamafactory cfg.yaml [key=value ...]
 
-``cfg.yaml`` is a LLaMA-Factory training config (what ``llamafactory-cli train cfg.yaml`` reads, with
-the same ``key=value`` overrides) plus one key of this entry, ``blockdiag_cp_size`` (ranks per CP group;
-it must divide the world size; 1 = data parallel with per-document attention). The key is taken out
-before LLaMA-Factory parses the rest, so its own parser never sees it.
+``cfg.yaml`` is a LLaMA-Factory training config plus one key of this entry, ``blockdiag_cp_size`` (ranks per
+CP group; it must divide the world size; 1 = data parallel with per-document attention). The command line is
+read by LLaMA-Factory's own ``read_args``, as ``llamafactory-cli train`` reads it: ``cfg.yaml key=value ...``
+(OmegaConf's overrides) or ``--key value ...`` (``--blockdiag_cp_size N`` then). The key is taken out before
+LLaMA-Factory parses the rest, so its own parser never sees it.
 
 Note [LLaMA-Factory's SFT under the mixin]
 ------------------------------------------
@@ -24,7 +25,10 @@ its own attention; under the mixin the collator keeps the ``[B, S]`` indices ins
 ``S x S`` mask per row), and `neat_packing_documents` hands them to the mixin as
 ``_packed_seq_ids``, after checking that every document is one run of positions 0, 1, 2, ...
 The prompt tokens keep LLaMA-Factory's ``-100`` labels; the mixin shifts the labels of each
-unsharded row as the model's loss does.
+unsharded row as the model's loss does. The collator pads a packed row past ``cutoff_len`` to a
+multiple of 8 everywhere but in ``position_ids``; `padded_positions` pads those too (0, as the
+packing pads them), so any ``cutoff_len`` runs. LoRA and freeze models (PEFT's or LLaMA-Factory's
+own) and LLaMA-Factory's DeepSpeed configs go through the mixin as they come.
 
 Options whose result under CP would differ from LLaMA-Factory without it, or that no test here
 compares, are refused by name before the model loads (`refusals`), as are the Trainer's
@@ -36,6 +40,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import logging
 import sys
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
@@ -44,6 +49,8 @@ import transformers
 
 from ..step.slot import current_step
 from ..trainer import BlockDiagCPMixin
+
+logger = logging.getLogger(__name__)
 
 #: the YAML key this entry adds to LLaMA-Factory's config
 CP_SIZE_KEY = "blockdiag_cp_size"
@@ -98,8 +105,28 @@ class NeatPackedDocuments:
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.collator(features)
+        batch["position_ids"] = padded_positions(batch.get("position_ids"), batch.get("attention_mask"))
         batch["_packed_seq_ids"] = neat_packing_documents(batch.get("attention_mask"), batch.get("position_ids"))
         return batch
+
+
+def padded_positions(position_ids_BP: Any, attention_mask_BS: Any) -> Any:
+    """``position_ids`` ``[B, P]`` padded with 0 to the collator's length ``S >= P`` where the columns added are padding.
+
+    LLaMA-Factory's SFT collator pads ``input_ids``, ``attention_mask`` and ``labels`` of a packed row (``cutoff_len``
+    tokens, padding included) to a multiple of 8 but leaves ``position_ids`` at ``cutoff_len``: with a ``cutoff_len``
+    that is not a multiple of 8, LLaMA-Factory's own run stops on the mismatch in the model. Here the added columns
+    get position 0, as LLaMA-Factory's packing gives its own padding; they belong to no document (index 0, labels
+    -100), so no loss or gradient reads them. Anything else passes unchanged (`neat_packing_documents` checks it).
+    """
+    if not (isinstance(position_ids_BP, torch.Tensor) and isinstance(attention_mask_BS, torch.Tensor)
+            and position_ids_BP.dim() == attention_mask_BS.dim() == 2
+            and position_ids_BP.shape[0] == attention_mask_BS.shape[0]):
+        return position_ids_BP
+    added = attention_mask_BS.shape[1] - position_ids_BP.shape[1]
+    if added <= 0 or bool(attention_mask_BS[:, -added:].any()):
+        return position_ids_BP
+    return torch.nn.functional.pad(position_ids_BP, (0, added), value=0)
 
 
 def _lf_trainer_class() -> type:
@@ -124,6 +151,13 @@ class LlamaFactoryCPTrainer(BlockDiagCPMixin, _lf_trainer_class()):
 
     def __init__(self, *args: Any, data_collator: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, data_collator=NeatPackedDocuments(data_collator), **kwargs)
+        window = sliding_window(getattr(self.model, "config", None))
+        if window is not None:
+            logger.warning(
+                "blockdiag-cp: the model attends within a sliding window of %d tokens, and so does each packed document "
+                "under CP (as the model, and LLaMA-Factory's FlashAttention-2 path, define it); LLaMA-Factory's own "
+                "sdpa/eager run with neat_packing replaces the window by its dense block-diagonal mask, so a document "
+                "longer than %d tokens trains differently there (docs/llamafactory.md)", window, window)
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
         """The Trainer's token count of a step, divided by ``cp_size`` where transformers does not (the ``cp`` ranks
@@ -146,6 +180,15 @@ class LlamaFactoryCPTrainer(BlockDiagCPMixin, _lf_trainer_class()):
                                         num_items_in_batch=num_items_in_batch)
 
 
+def sliding_window(config: Any) -> Optional[int]:
+    """The sliding window a model config makes some of its layers attend within, or None (no layer has one)."""
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or getattr(config, "use_sliding_window", None) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    return window if layer_types is None or "sliding_attention" in layer_types else None
+
+
 # -- options ----------------------------------------------------------------------------------------------------
 
 def _value(value: Any) -> Any:
@@ -157,8 +200,8 @@ _REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("stage", lambda v: v != "sft", "only the SFT workflow (stage: sft) is verified under CP"),
     ("neat_packing", lambda v: v is not True, "packing: true without neat_packing lets the documents of a row attend "
      "to each other, and unpacked rows are not verified under CP: set neat_packing: true"),
-    ("finetuning_type", lambda v: v != "full", "only full fine-tuning is verified under CP through this entry (LoRA, "
-     "freeze and OFT are not tested here; LLaMA-Factory's default is lora): set finetuning_type: full"),
+    ("finetuning_type", lambda v: v not in ("lora", "freeze", "full"), "OFT is not verified under CP through this "
+     "entry: use lora (LLaMA-Factory's default), freeze or full"),
     ("flash_attn", lambda v: _value(v) not in ("auto", "sdpa", "disabled"), "under the mixin the model attends with "
      "blockdiag-cp's per-document kernel (chosen by CPConfig), and LLaMA-Factory's FlashAttention path unpads the "
      "rows itself: leave flash_attn at auto, sdpa or disabled"),
@@ -213,44 +256,129 @@ def refusals(config: dict[str, Any]) -> list[str]:
             if refused(values.get(name))]
 
 
-def check_config(args: dict[str, Any]) -> None:
-    """`ValueError` naming every refused option of LLaMA-Factory config `args` (without `CP_SIZE_KEY`); Ray
+def check_config(args: Any) -> None:
+    """`ValueError` naming every refused option of LLaMA-Factory config `args` (a dict or ``--key value`` strings,
+    without `CP_SIZE_KEY`), read by LLaMA-Factory's own parser (its checks run as in ``llamafactory-cli``); Ray
     launches are refused too (the entry is started by torchrun)."""
     from llamafactory.extras.misc import use_ray
 
     if use_ray():
         raise ValueError("USE_RAY: the entry runs under torchrun, not Ray: unset USE_RAY")
-    found = refusals(args)
+    if isinstance(args, dict):  # named before LLaMA-Factory's own checks, which may ask to install what is refused
+        refuse_yaml_booleans(args)
+        _raise_refusals(refusals(args))
+    _raise_refusals(refusals(parsed_options(args)))
+
+
+def _raise_refusals(found: list[str]) -> None:
     if found:
         raise ValueError("LLaMA-Factory under blockdiag-cp refuses options that would differ from the run without CP "
                          "or that are not verified:\n  " + "\n  ".join(found))
 
 
-def split_config(config: dict[str, Any]) -> tuple[dict[str, Any], int]:
-    """``(LLaMA-Factory's config, cp_size)``: `CP_SIZE_KEY` taken out of `config` (a new dict) and checked."""
-    if CP_SIZE_KEY not in config:
-        raise ValueError(f"set {CP_SIZE_KEY}: N in the config (ranks per CP group, dividing the world size)")
-    rest = {k: v for k, v in config.items() if k != CP_SIZE_KEY}
-    cp_size = config[CP_SIZE_KEY]
+def parsed_options(args: Any) -> dict[str, Any]:
+    """Every option of LLaMA-Factory config `args` (a dict or ``--key value`` strings) as LLaMA-Factory's own
+    ``get_train_args`` reads it (defaults filled in, its checks run), by name."""
+    from llamafactory.hparams import get_train_args
+
+    parsed = get_train_args(copy.deepcopy(args))
+    return {f.name: getattr(group, f.name) for group in parsed for f in dataclasses.fields(group)}
+
+
+def refuse_yaml_booleans(args: Any) -> None:
+    """`ValueError` naming each option that YAML read as a boolean where LLaMA-Factory's field takes a string or an
+    enum: an unquoted ``no`` / ``off`` / ``yes`` / ``on`` (``eval_strategy=no`` on the command line or
+    ``eval_strategy: no`` in the file) is ``False`` / ``True`` to OmegaConf, as ``llamafactory-cli`` reads it too
+    (it then fails inside ``TrainingArguments`` without naming the option)."""
+    if not isinstance(args, dict):
+        return  # --key value strings: HfArgumentParser reads each value as its field's type
+    types = _field_types()
+    found = [f"{name}={value!r}" for name, value in args.items()
+             if isinstance(value, bool) and name in types and not types[name]]
+    if found:
+        raise ValueError(f"{', '.join(found)}: YAML reads an unquoted no, off, yes or on as a boolean, and these options "
+                         "take a string: quote the value (key: 'no' in the YAML file, key=\"'no'\" on the command line), "
+                         "as llamafactory-cli needs it too")
+
+
+def _field_types() -> dict[str, bool]:
+    """Whether each option of LLaMA-Factory's training config accepts a bool (by name)."""
+    import typing
+
+    from llamafactory.hparams import (DataArguments, FinetuningArguments, GeneratingArguments, ModelArguments,
+                                      TrainingArguments)
+
+    out = {}
+    for cls in (ModelArguments, DataArguments, TrainingArguments, FinetuningArguments, GeneratingArguments):
+        hints = typing.get_type_hints(cls)
+        out.update({f.name: _accepts_bool(hints.get(f.name, Any)) for f in dataclasses.fields(cls)})
+    return out
+
+
+def _accepts_bool(hint: Any) -> bool:
+    """Whether a field typed `hint` takes a bool (anything but strings, enums and their optional unions)."""
+    import enum
+    import typing
+
+    args = typing.get_args(hint) or (hint,)
+    return not all(a is str or a is type(None) or (isinstance(a, type) and issubclass(a, enum.Enum)) for a in args)
+
+
+def split_config(config: Any) -> tuple[Any, int]:
+    """``(LLaMA-Factory's config, cp_size)``: `CP_SIZE_KEY` taken out of `config` (a dict from a YAML or JSON file, or
+    ``--key value`` strings, as LLaMA-Factory's ``read_args`` returns them; a new object) and checked."""
+    if isinstance(config, dict):
+        if CP_SIZE_KEY not in config:
+            raise ValueError(f"set {CP_SIZE_KEY}: N in the config (ranks per CP group, dividing the world size)")
+        rest, cp_size = {k: v for k, v in config.items() if k != CP_SIZE_KEY}, config[CP_SIZE_KEY]
+    else:
+        rest, cp_size = _split_flags([str(a) for a in config])
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"{CP_SIZE_KEY} must be an int >= 1, got {cp_size!r}")
     return rest, cp_size
 
 
-def read_config(argv: Sequence[str]) -> dict[str, Any]:
-    """A YAML (or JSON) config and ``key=value`` overrides, merged as ``llamafactory-cli train`` merges them."""
-    from omegaconf import OmegaConf
+def _split_flags(argv: list[str]) -> tuple[list[str], Any]:
+    """``(the other flags, the value)`` of ``--blockdiag_cp_size N`` among ``--key value`` strings."""
+    import argparse
 
-    if not argv or not str(argv[0]).endswith((".yaml", ".yml", ".json")):
+    flag = "--" + CP_SIZE_KEY
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument(flag, flag.replace("_", "-"), dest="cp_size", type=int, default=None)
+    try:
+        known, rest = parser.parse_known_args(argv)
+    except SystemExit as exc:  # argparse exits on a value that is not an int
+        raise ValueError(f"{flag} must be an int >= 1, in {argv}") from exc
+    if known.cp_size is None:
+        raise ValueError(f"set {flag} N (ranks per CP group, dividing the world size)")
+    return rest, known.cp_size
+
+
+def read_config(argv: Sequence[str]) -> Any:
+    """The config of ``cfg.yaml [key=value ...]``, ``cfg.json [key=value ...]`` or ``--key value ...``, read by
+    LLaMA-Factory's own ``read_args`` exactly as ``llamafactory-cli train`` reads its command line (a dict for a
+    file and its overrides, merged by OmegaConf; the strings otherwise)."""
+    from llamafactory.hparams import read_args
+
+    if not argv:
         raise ValueError("usage: torchrun ... -m blockdiag_cp.integrations.llamafactory cfg.yaml [key=value ...]")
-    merged = OmegaConf.merge(OmegaConf.load(argv[0]), OmegaConf.from_cli(list(argv[1:])))
-    return OmegaConf.to_container(merged)
+    own, sys.argv = sys.argv, [sys.argv[0] if sys.argv else "llamafactory", *map(str, argv)]
+    try:
+        return read_args()
+    except AttributeError as exc:  # LLaMA-Factory 0.9.5 passes the JSON file's Path to json.load
+        if str(argv[0]).endswith(".json"):
+            raise ValueError(f"{argv[0]}: this LLaMA-Factory cannot read a JSON config ({exc}; llamafactory-cli train "
+                             "fails on it the same way): write the config as YAML") from exc
+        raise
+    finally:
+        sys.argv = own
 
 
-def run(config: dict[str, Any], callbacks: Optional[list] = None,
+def run(config: Any, callbacks: Optional[list] = None,
         trainer_class: type = LlamaFactoryCPTrainer) -> None:
-    """Run LLaMA-Factory's SFT workflow on `config` (its config plus `CP_SIZE_KEY`) with `trainer_class` (a
-    `LlamaFactoryCPTrainer` subclass) as its trainer, under CP (Note [LLaMA-Factory's SFT under the mixin])."""
+    """Run LLaMA-Factory's SFT workflow on `config` (its config plus `CP_SIZE_KEY`: a dict, or ``--key value``
+    strings) with `trainer_class` (a `LlamaFactoryCPTrainer` subclass) as its trainer, under CP (Note
+    [LLaMA-Factory's SFT under the mixin])."""
     from llamafactory.train import tuner
     from llamafactory.train.sft import workflow
 

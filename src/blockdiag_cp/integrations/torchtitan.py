@@ -1,4 +1,4 @@
-"""torchtitan's trainer with document-packed rows under block-diagonal CP (issue #48).
+"""torchtitan's trainer with document-packed rows under block-diagonal CP (issues #48, #52).
 
 torchtitan 0.3.0 packs its text datasets into rows whose ``positions`` restart at 0 at every document and masks
 attention per document from them, but its own context parallelism refuses that ("Varlen attention is not
@@ -10,9 +10,7 @@ with this library's step inside it::
     from blockdiag_cp.integrations.torchtitan import blockdiag_config
 
     def my_run():
-        config = blockdiag_config(llama3_debugmodel(), cp_degree=2)
-        config.parallelism.spmd_backend = "partial_dtensor"
-        return config
+        return blockdiag_config(llama3_debugmodel(), cp_degree=2)   # spmd_backend "partial_dtensor"
 
     torchrun --nproc-per-node 4 -m torchtitan.train --module my_configs --config my_run \\
         --blockdiag_cp.cp_degree 2          # any key can be overridden on torchtitan's CLI
@@ -22,23 +20,32 @@ Note [The torchtitan way in]
 Each piece goes in through one of torchtitan's own extension points:
 
 * attention: every layer's ``inner_attention`` config becomes `BlockDiagCPAttention.Config` (torchtitan's
-  pluggable inner-attention module; `route_attention`, also as the model converter `BlockDiagCPConverter`).
-  It calls `cp_blockdiag_sdpa`, which inside a step attends per document across the CP group, and it refuses
-  to run outside one (plain SDPA there would let documents see each other).
-* rows: torchtitan sees ``world`` data-parallel ranks; the dataloader config is wrapped (`CPGroupRows`) so the
-  ``cp_degree`` consecutive ranks of a CP group read the same rows (data-parallel rank ``rank // cp_degree``).
-* documents: torchtitan's packed rows carry ``positions`` that restart at 0 at each document (its own
-  block-causal masks read them the same way); `doc_ids_from_positions` turns them into ``_packed_seq_ids``.
-* the step: `BlockDiagCPTrainer.post_dataloading_process` (torchtitan's documented hook) shards the row by this
-  library's plan; ``_forward_backward_body`` runs torchtitan's forward and backward inside the step context.
+  pluggable inner-attention module; `route_attention`, also as the model converter `BlockDiagCPConverter`), each
+  field of the original read (Note [Routing torchtitan's attention configs] in torchtitan_attention.py). It calls
+  `cp_blockdiag_sdpa`, which inside a step attends per document across the CP group, and it refuses to run
+  outside one (plain SDPA there would let documents see each other). torchtitan's TP sharding rules wrap it as
+  they wrap its own attention (``local_map``: it sees this TP rank's heads); its per-block compile traces it as
+  one opaque op (step/opaque.py); its activation checkpointing recomputes it inside the step.
+* MoE layers: every `GroupedExperts` computes in its weights' dtype (torchtitan's casts to bfloat16 would round
+  each rank's expert gradients alone) and the padding's routes are not counted in the load balancing
+  (`route_experts`, `uncount_padding`; Note [torchtitan's experts under CP] in torchtitan_moe.py).
+* ranks: torchtitan sees the CP groups' ranks as data ranks (FSDP over dp x cp); ``world = rows x cp x tp``
+  (Note [CP groups inside torchtitan's data ranks] in torchtitan_rows.py). The dataloader config is wrapped
+  (`CPGroupRows`) so a CP group's ranks read the same rows; ``parallelism.data_parallel_shard_degree`` and
+  ``training.global_batch_size`` keep their meaning (replicas' shards, rows per optimizer step) and are given to
+  torchtitan counted per data rank (`_count_cp_ranks_as_data_ranks`).
+* documents and the step: `BlockDiagCPTrainer.post_dataloading_process` (torchtitan's documented hook) lays the
+  micro-batch's rows end to end as one packed row, reads its documents from ``positions`` and shards it by this
+  library's plan; ``_forward_backward_body`` runs torchtitan's forward and backward inside the step context. The
+  validator (`BlockDiagCPValidator`) does the same for its forward.
 * the loss: torchtitan's loss is the shard's token sum over the global valid-token count, and FSDP sums
   gradients (``gradient_divide_factor=1``). Every rank of a CP group counted its group's whole rows, so the
   trainer divides the count torchtitan summed over the data ranks by ``cp_degree``: the loss, its gradients
   and the logged loss are the token mean over the global batch, as in the run without CP.
 
-torchtitan's own CP (``parallelism.context_parallel_degree``), tensor, pipeline and expert parallelism, the
-other SPMD backends, validation, checkpoints, compile and more than one row per micro-batch are refused by name
-(`check_options`): each would be silently different or is not yet verified here.
+Refused by name (`check_options`): torchtitan's own CP (``parallelism.context_parallel_degree``), pipeline and
+expert parallelism, the SPMD backends other than ``partial_dtensor``; a validator or checkpointer of another type
+than torchtitan's; attention configs it cannot route exactly (`route_attention`).
 """
 
 from __future__ import annotations
@@ -46,24 +53,29 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Literal, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
-from torchtitan.components.dataloader import BaseDataLoader
-from torchtitan.models.common.attention import BaseAttention
-from torchtitan.models.common.decoder import Decoder
-from torchtitan.protocols.model import ModelConfigConverter
-from torchtitan.protocols.module import Module
+from torch.distributed.tensor import DTensor
+from torchtitan.components.validate import Validator
 from torchtitan.trainer import Trainer
 
-from ..attention import cp_blockdiag_sdpa
 from ..config import CPConfig
-from ..step.batch import make_cp_blockdiag_batch_and_ctx
-from ..step.slot import current_step
+from .torchtitan_attention import BlockDiagCPAttention, BlockDiagCPConverter, route_attention
+from .torchtitan_moe import balances_expert_load, route_experts, uncount_padding
+from .torchtitan_rows import (
+    BlockDiagCPValidator,
+    CPGroupRows,
+    CPGroups,
+    as_config,
+    doc_ids_from_positions,
+    local_multiple_of,
+    row_padding,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +84,7 @@ __all__ = (
     "BlockDiagCPConverter",
     "BlockDiagCPOptions",
     "BlockDiagCPTrainer",
+    "BlockDiagCPValidator",
     "CPGroupRows",
     "blockdiag_config",
     "check_options",
@@ -80,92 +93,12 @@ __all__ = (
 )
 
 
-class BlockDiagCPAttention(Module):
-    """torchtitan inner attention: per-document causal attention of this rank's shard, through `cp_blockdiag_sdpa`.
-
-    Takes torchtitan's ``(B, L, N, H)`` layout (``B == 1``, ``L`` this rank's shard) and returns the same layout.
-    torchtitan's ``attention_masks`` are not read: the step's document ids are the mask.
-    """
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(Module.Config):
-        pass
-
-    def __init__(self, config: Config) -> None:
-        super().__init__()
-
-    def forward(self, q_BLNH: torch.Tensor, k_BLNH: torch.Tensor, v_BLNH: torch.Tensor, *,
-                attention_masks: Any = None, scale: Optional[float] = None, enable_gqa: bool = False,
-                **kwargs) -> torch.Tensor:
-        if current_step() is None:
-            raise RuntimeError(
-                "BlockDiagCPAttention ran outside a blockdiag-cp step: plain attention there would let a packed "
-                "row's documents attend to each other. Run the model through BlockDiagCPTrainer (its train step "
-                "opens the step), or open one with make_cp_blockdiag_batch_and_ctx(...)'s train_ctx().")
-        dropped = sorted(k for k, v in kwargs.items() if v is not None)
-        if dropped:
-            raise ValueError(f"BlockDiagCPAttention got {dropped}, which it would drop (e.g. a FlexAttention score_mod); "
-                             "only per-document causal attention with a scale is routed through blockdiag-cp")
-        q_BNLH, k_BNLH, v_BNLH = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
-        out_BNLH = cp_blockdiag_sdpa(q_BNLH, k_BNLH, v_BNLH, is_causal=True, scale=scale, enable_gqa=enable_gqa)
-        return out_BNLH.transpose(1, 2)
-
-
-def route_attention(model_config: Decoder.Config) -> Decoder.Config:
-    """Return a copy of `model_config` whose every attention layer's ``inner_attention`` is `BlockDiagCPAttention`.
-
-    Raises:
-        ValueError: the model is not a torchtitan `Decoder`, builds its own masks (sliding windows, chunked or
-            bidirectional attention: overriding ``get_attention_masks``), or has no attention layer to route.
-    """
-    owner = type(model_config)._owner
-    if not isinstance(model_config, Decoder.Config) or owner is None:
-        raise ValueError(f"route_attention takes a torchtitan Decoder config, got {type(model_config).__name__}")
-    if owner.get_attention_masks is not Decoder.get_attention_masks:
-        raise ValueError(
-            f"{owner.__name__} builds its own attention masks (get_attention_masks is overridden: sliding windows, "
-            "chunked or bidirectional spans); blockdiag-cp would drop them. Only decoders masked by torchtitan's "
-            "default per-document causal rule are routed (verified: llama3).")
-    routed = copy.deepcopy(model_config)
-    found = [cfg for _, cfg, _, _ in routed.traverse(BaseAttention.Config)]
-    if not found:
-        raise ValueError(f"{type(model_config).__name__} has no attention layer to route through blockdiag-cp")
-    for cfg in found:
-        cfg.inner_attention = BlockDiagCPAttention.Config()
-    return routed
-
-
-class BlockDiagCPConverter(ModelConfigConverter):
-    """torchtitan model converter (``model_registry(flavor, converters=[BlockDiagCPConverter.Config()])``)."""
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(ModelConfigConverter.Config):
-        pass
-
-    def __init__(self, config: Config) -> None:
-        self.config = config
-
-    def convert(self, model_config: Decoder.Config) -> Decoder.Config:
-        return route_attention(model_config)
-
-
-def doc_ids_from_positions(positions_BS: torch.Tensor) -> torch.Tensor:
-    """1-based document ids ``[B, S]`` int64 of torchtitan's packed rows: a document starts where ``positions == 0``.
-
-    This is the boundary torchtitan's own block-causal masks read (``get_document_mask_mod``). A row's leading
-    tokens before the first 0 (a document carried over from the previous row) are its first document.
-    """
-    starts_BS = positions_BS == 0
-    starts_BS[:, 0] = True
-    return torch.cumsum(starts_BS.to(torch.int64), dim=1)
-
-
 @dataclass(kw_only=True, slots=True)
 class BlockDiagCPOptions:
     """The ``blockdiag_cp`` section of the job config (``--blockdiag_cp.cp_degree 2`` on torchtitan's CLI)."""
 
     cp_degree: int = 1
-    """Ranks sharing one packed row (1 = no CP: documents are still masked per row). Divides the world."""
+    """Ranks sharing one packed row (1 = no CP: documents are still masked per row). Divides the data ranks."""
     layout: Literal["contiguous", "balanced"] = "balanced"
     """How the row's tokens are laid over the CP ranks (`plan_shards`)."""
     kv_exchange: Literal["auto", "allgather", "halo", "a2a", "ring"] = "auto"
@@ -175,19 +108,21 @@ class BlockDiagCPOptions:
         return CPConfig(layout=self.layout, kv_exchange=self.kv_exchange)
 
 
+#: torchtitan 0.3.0's default ``parallelism.spmd_backend`` (`blockdiag_config` replaces it by ``partial_dtensor``)
+_TITAN_DEFAULT_BACKEND = "spmd_types"
+
 #: (the option, the value that keeps it off, why it is refused)
 _REFUSED = (
     ("parallelism.context_parallel_degree", 1,
      "torchtitan's own CP wraps the attention itself; set blockdiag_cp.cp_degree instead"),
-    ("parallelism.tensor_parallel_degree", 1, "tensor parallelism under blockdiag-cp is not verified in torchtitan"),
-    ("parallelism.pipeline_parallel_degree", 1, "pipeline parallelism under blockdiag-cp is not verified"),
-    ("parallelism.expert_parallel_degree", 1, "expert parallelism under blockdiag-cp is not verified"),
+    ("parallelism.pipeline_parallel_degree", 1,
+     "a pipeline schedule under blockdiag-cp is not supported yet (the step of a micro-batch must stay open "
+     "across the schedule's stages); use FSDP/TP with blockdiag_cp.cp_degree"),
+    ("parallelism.expert_parallel_degree", 1,
+     "expert parallelism under blockdiag-cp is not verified (MoE layers run unsharded at 1)"),
     ("parallelism.spmd_backend", "partial_dtensor",
-     "the other SPMD backends wrap modules in local_map / full DTensors, not verified with this attention"),
-    ("training.local_batch_size", 1,
-     "blockdiag-cp shards one packed row per step; use training.global_batch_size for more rows (accumulation)"),
-    ("validator.enable", False, "torchtitan's validator runs the model outside a blockdiag-cp step"),
-    ("compile.enable", False, "torch.compile of torchtitan's model around this attention is not verified"),
+     "the other SPMD backends wrap modules in local_map / full DTensors over a cp mesh axis torchtitan does not "
+     "have here"),
 )
 
 
@@ -204,46 +139,34 @@ def check_options(config: "BlockDiagCPTrainer.Config") -> None:
         value = getattr(getattr(config, section), name)
         if value != keep:
             raise ValueError(f"{path}={value!r} is refused by BlockDiagCPTrainer ({why}); set {path}={keep!r}")
-    if config.checkpoint.enable and config.blockdiag_cp.cp_degree > 1:
-        raise ValueError("checkpoint.enable=True is refused with blockdiag_cp.cp_degree > 1: the CP group's ranks "
-                         "share a dataloader state, saving and resuming it is not verified yet; set "
-                         "checkpoint.enable=False")
+    _refuse_uncountable_padding(config)
+    if config.validator.enable and type(config.validator) not in (Validator.Config, BlockDiagCPValidator.Config):
+        raise ValueError(f"validator={type(config.validator).__qualname__} is refused by BlockDiagCPTrainer: only "
+                         "torchtitan's Validator is run inside a blockdiag-cp step (BlockDiagCPValidator)")
 
 
-class CPGroupRows(BaseDataLoader):
-    """The stack's own dataloader, read once per CP group: the ``cp_degree`` consecutive ranks get the same rows.
-
-    torchtitan builds the dataloader with ``world`` data-parallel ranks; `rows` is built with
-    ``dp_world_size // cp_degree`` ranks and ``dp_rank // cp_degree`` instead.
-    """
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(BaseDataLoader.Config):
-        rows: BaseDataLoader.Config
-        """The stack's dataloader config (e.g. ``HuggingFaceTextDataLoader.Config``)."""
-        cp_degree: int = 1
-
-    def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, **kwargs) -> None:
-        if dp_world_size % config.cp_degree:
-            raise ValueError(f"blockdiag_cp.cp_degree={config.cp_degree} must divide the {dp_world_size} data ranks")
-        self.rows = config.rows.build(dp_world_size=dp_world_size // config.cp_degree,
-                                      dp_rank=dp_rank // config.cp_degree, **kwargs)
-
-    def __iter__(self):
-        return iter(self.rows)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.rows.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.rows.load_state_dict(state_dict)
+def _refuse_uncountable_padding(config: "BlockDiagCPTrainer.Config") -> None:
+    """A compiled model whose MoE layers balance their load, on rows the trainer pads: the padding's routes are
+    taken out of torchtitan's expert counts by a router hook (Note [torchtitan's experts under CP]), which a
+    ``fullgraph`` per-block compile cannot trace (it reads the step)."""
+    padding = row_padding(config, config.blockdiag_cp.cp_degree)
+    compiled = config.compile.enable and "model" in config.compile.components
+    if padding and compiled and config.model_spec is not None and balances_expert_load(config.model_spec.model):
+        raise ValueError(
+            f"compile.enable with a MoE model that balances its experts' load (load_balance_coeff) is refused by "
+            f"BlockDiagCPTrainer on rows it pads ({padding} padding tokens per micro-batch: local_batch_size x "
+            f"seq_len = {config.training.local_batch_size * config.training.seq_len} is not a multiple of cp_degree "
+            f"x lcm(tensor_parallel_degree, the chunked loss's num_chunks)): the padding's routes must be taken out "
+            f"of the experts' load counts, which the compiled blocks cannot do. Choose seq_len so that no padding is "
+            f"needed, or compile.enable=False")
 
 
 class BlockDiagCPTrainer(Trainer):
     """torchtitan's `Trainer` whose packed rows are sharded per document over ``blockdiag_cp.cp_degree`` ranks.
 
-    See Note [The torchtitan way in]. Attributes: ``cp_mesh`` (the CP group's 1-D mesh, None at
-    ``cp_degree == 1``), ``cp_step`` (the current step's ``train_ctx``, set by `post_dataloading_process`).
+    See Note [The torchtitan way in]. Attributes: ``cp_groups`` (`CPGroups`: the CP group's mesh, one rank per
+    group, torchtitan's TP mesh), ``cp_step`` (the current step's ``train_ctx``, set by
+    `post_dataloading_process`).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -254,40 +177,40 @@ class BlockDiagCPTrainer(Trainer):
         check_options(config)  # here, after torchtitan's CLI overrides were applied to the config function's Config
         if config.model_spec is None:
             raise ValueError("BlockDiagCPTrainer needs config.model_spec (set by the config_registry function)")
+        config = _count_cp_ranks_as_data_ranks(copy.copy(config))
         cp_degree = config.blockdiag_cp.cp_degree
-        config.model_spec = dataclasses.replace(config.model_spec, model=route_attention(config.model_spec.model))
+        config.model_spec = dataclasses.replace(
+            config.model_spec, model=route_experts(route_attention(config.model_spec.model), cp_degree))
         config.dataloader = CPGroupRows.Config(rows=config.dataloader, cp_degree=cp_degree)
+        if type(config.validator) is Validator.Config:
+            config.validator = as_config(BlockDiagCPValidator.Config, config.validator)
         _keep_timeouts_where_torch_cannot_set_them()
-        self.cp_config = config.blockdiag_cp.cp_config()
         self.cp_step: Optional[Callable[[], ContextManager]] = None
         super().__init__(config)
-        world = dist.get_world_size()
-        if world % cp_degree:
-            raise ValueError(f"blockdiag_cp.cp_degree={cp_degree} must divide the world size {world}")
+        dims = self.parallel_dims
+        self.cp_groups = CPGroups.build(cp_degree, config.blockdiag_cp.cp_config(),
+                                        dims.get_mesh("tp") if dims.tp_enabled else None, self.device.type,
+                                        local_multiple_of(dims.tp, self.loss_fn))
         self.cp_degree = cp_degree
-        self.cp_mesh = None if cp_degree == 1 else init_device_mesh(
-            self.device.type, (world // cp_degree, cp_degree), mesh_dim_names=("dp_rows", "cp"))["cp"]
+        if row_padding(config, cp_degree):
+            uncount_padding(self.model_parts)  # the padding's routes out of the experts' load counts
         if self.device.type == "cpu":
             _sum_gradients_over_gloo(self.model_parts)
-        if config.training.global_batch_size > 0:  # torchtitan divided it by world data ranks; there are world/cp
-            self.gradient_accumulation_steps = config.training.global_batch_size // (
-                config.training.local_batch_size * (world // cp_degree))
+            _accumulate_grad_norms_in_float64()
+        if config.validator.enable:
+            self.validator.use_cp_groups(self.cp_groups)
+
+    @property
+    def cp_mesh(self):
+        """The CP group's 1-D mesh (None at ``cp_degree == 1``)."""
+        return self.cp_groups.cp_mesh
 
     def post_dataloading_process(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor):
-        """Shard torchtitan's packed row ``[1, S]`` by the plan; ``(inputs [1, L], labels [1, L], {"positions"})``."""
-        unknown = sorted(set(input_dict) - {"input", "positions"})
-        if unknown:
-            raise ValueError(f"BlockDiagCPTrainer shards input, positions and labels; the dataloader also gave "
-                             f"{unknown}, which it would leave whole")
-        positions = input_dict.get("positions")
-        if positions is None:
-            raise ValueError("the dataloader gives no 'positions': blockdiag-cp reads the packed row's documents "
-                             "from positions restarting at 0 (torchtitan's text and chat dataloaders give them)")
-        batch = {"input_ids": input_dict["input"], "labels": labels, "position_ids": positions,
-                 "_packed_seq_ids": doc_ids_from_positions(positions)}
-        self.cp_step, batch = make_cp_blockdiag_batch_and_ctx(self.cp_mesh, None, batch, config=self.cp_config)
-        self.ntokens_seen += int((~batch["padding_mask"]).sum())  # this rank's real tokens: summed over ranks
-        return batch["input_ids"], batch["labels"], {"positions": batch["position_ids"]}
+        """Shard torchtitan's micro-batch ``[B, S]`` by the plan; ``(inputs [1, L], labels [1, L], {"positions"})``."""
+        sharded = self.cp_groups.shard(input_dict, labels)
+        self.cp_step = sharded.train_ctx
+        self.ntokens_seen += sharded.real_tokens  # this rank's real tokens: summed over ranks
+        return sharded.inputs, sharded.labels, sharded.extra
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens: torch.Tensor) -> torch.Tensor:
         # the batch mesh's sum counted each CP group's rows on all its cp_degree ranks
@@ -302,6 +225,23 @@ class BlockDiagCPTrainer(Trainer):
             return super()._forward_backward_body(inputs, labels, global_valid_tokens, extra_kwargs)
 
 
+def _count_cp_ranks_as_data_ranks(config: "BlockDiagCPTrainer.Config") -> "BlockDiagCPTrainer.Config":
+    """`config` (a shallow copy) with the two counts torchtitan makes over its data ranks given per data rank.
+
+    torchtitan counts ``world / tp`` data ranks; the user's ``parallelism.data_parallel_shard_degree`` counts the
+    replicas' shards (``dp_shard 2`` with ``cp_degree 2`` is 4 ranks, as with torchtitan's own CP) and
+    ``training.global_batch_size`` the rows of one optimizer step, of which a CP group's ``cp`` ranks read each
+    once. So torchtitan gets both multiplied by ``cp`` (-1, "infer", stays): its FSDP shards over dp x cp and its
+    accumulation steps and dataloader snapshot interval are the run's.
+    """
+    cp = config.blockdiag_cp.cp_degree
+    shard, rows = config.parallelism.data_parallel_shard_degree, config.training.global_batch_size
+    config.parallelism = dataclasses.replace(config.parallelism,
+                                             data_parallel_shard_degree=shard * cp if shard > 0 else shard)
+    config.training = dataclasses.replace(config.training, global_batch_size=rows * cp if rows > 0 else rows)
+    return config
+
+
 def _sum_gradients_over_gloo(model_parts: list[torch.nn.Module]) -> None:
     """Let torchtitan's FSDP modules reduce gradients with SUM on CPU processes.
 
@@ -313,6 +253,64 @@ def _sum_gradients_over_gloo(model_parts: list[torch.nn.Module]) -> None:
         for module in part.modules():
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
+
+
+def _accumulate_grad_norms_in_float64() -> None:
+    """On CPU processes, torchtitan's ``clip_grad_norm_`` becomes `_clip_grad_norm_in_float64` (Note [Gradient
+    norms on CPU]); idempotent. A function someone else put there (a wrapper) is left, with a warning."""
+    import torchtitan.distributed.utils as titan_dist
+
+    current = titan_dist.clip_grad_norm_
+    if current is _clip_grad_norm_in_float64:
+        return
+    if (getattr(current, "__module__", None), getattr(current, "__qualname__", None)) != (titan_dist.__name__,
+                                                                                          "clip_grad_norm_"):
+        logger.warning("torchtitan.distributed.utils.clip_grad_norm_ is %r, not torchtitan's: left as it is, so the "
+                       "logged gradient norm is torch's float32 CPU norm (it moves ~1e-5 with the sharding)", current)
+        return
+    titan_dist.clip_grad_norm_ = _clip_grad_norm_in_float64
+
+
+@torch.no_grad()
+def _clip_grad_norm_in_float64(parameters: Any, max_norm: float, norm_type: float = 2.0,
+                               error_if_nonfinite: bool = False, foreach: Optional[bool] = None,
+                               pp_mesh: Any = None, ep_enabled: bool = False) -> torch.Tensor:
+    """torchtitan's ``clip_grad_norm_`` with each gradient's (shard's) norm accumulated in float64.
+
+    Note [Gradient norms on CPU]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    torchtitan's ``clip_grad_norm_`` takes torch's float32 norm of each rank's gradient shards (``_foreach_norm``)
+    and combines them over the DTensor meshes. On CPU torch accumulates a float32 norm sequentially (a few vector
+    lanes, one running sum each), so a shard of 2.6e5 elements is off by ~1e-5 relative, and by an amount that
+    depends on where the shards are cut: qwen3's gradients at step 1 log 3.8878241 at tp 2 (FSDP over 1 rank)
+    and 3.8878684 at tp 2 x cp 2 (FSDP over 2 ranks), 1.1e-5 apart, while their float64 norms agree to 3e-10
+    and each run's gradients, laid out as the other run's shards, give the other run's logged norm. Here each
+    shard's norm is accumulated in float64 (one float64 copy of one gradient at a time) and the total returned
+    in the gradients' dtype: the logged norm and the clipping are then the gradients' own, whatever the sharding.
+    Everything else is torchtitan's: the DTensor reductions, the pipeline stages' sum, the clipping.
+    """
+    assert not ep_enabled, "expert parallelism is refused by check_options"
+    parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads]
+    total_norm = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    if isinstance(total_norm, DTensor):  # partial over the sharded mesh dims: reduce
+        total_norm = total_norm.full_tensor()
+    if pp_mesh is not None:
+        if math.isinf(norm_type):
+            dist.all_reduce(total_norm, op=dist.ReduceOp.MAX, group=pp_mesh.get_group())
+        else:
+            total_norm **= norm_type
+            dist.all_reduce(total_norm, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
+            total_norm **= 1.0 / norm_type
+    if error_if_nonfinite and not torch.isfinite(total_norm):
+        raise RuntimeError(f"The total norm of order {norm_type} of the gradients is non-finite, so it cannot be "
+                           "clipped (error_if_nonfinite=True)")
+    total_norm = total_norm.to(grads[0].dtype)
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
+    return total_norm
 
 
 def _keep_timeouts_where_torch_cannot_set_them() -> None:
@@ -337,7 +335,11 @@ def _keep_pg_timeouts(timeout: Any, parallel_dims: Any) -> None:
 def blockdiag_config(base: Trainer.Config, **options: Any) -> BlockDiagCPTrainer.Config:
     """`base` (e.g. ``llama3_debugmodel()``) as a `BlockDiagCPTrainer.Config`; `options` fill its ``blockdiag_cp``.
 
-    For a ``config_registry`` function: ``return blockdiag_config(llama3_debugmodel(), cp_degree=2)``.
+    For a ``config_registry`` function: ``return blockdiag_config(llama3_debugmodel(), cp_degree=2)``. torchtitan's
+    default SPMD backend (``spmd_types``, which `check_options` refuses) becomes ``partial_dtensor``, the one this
+    trainer runs under; a backend set to anything else is left as it is (and refused by name).
     """
-    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
-    return BlockDiagCPTrainer.Config(**fields, blockdiag_cp=BlockDiagCPOptions(**options))
+    config = as_config(BlockDiagCPTrainer.Config, base, blockdiag_cp=BlockDiagCPOptions(**options))
+    if config.parallelism.spmd_backend == _TITAN_DEFAULT_BACKEND:
+        config.parallelism = dataclasses.replace(config.parallelism, spmd_backend="partial_dtensor")
+    return config

@@ -86,6 +86,9 @@ def per_document_state(module: torch.nn.Module, hidden_states: torch.Tensor, att
     if state is not None:
         STEP_SLOT.note_reached()  # Note [A step the model never reached] in step/slot.py
         return state
+    problem = STEP_SLOT.outside_turns(None, False)  # Note [Attention outside every turn] in step/slot.py
+    if problem is not None:
+        raise RuntimeError(problem)
     if hidden_states.shape[0] != 1:
         return None
     marks = getattr(module, ROW_MARKS, None) or RowMarks(None, None)

@@ -5,6 +5,7 @@
     batch.py     make_cp_blockdiag_batch_and_ctx: the row source of one replica's row (pad and slice)
     world.py     make_cp_world_batch_and_ctx: the row source of every replica's row over all dp x cp ranks
     world_plan.py  plan_rank_state: one rank's whole-batch step state from run lengths, without a process group
+    micro_batches.py  a step per micro-batch of a pipeline schedule, every stage action a turn of its step
     prefetch.py  prefetched_world_steps: the whole-batch step, the next micro-batch planned beside the current one
     doc_ids.py   which document each position belongs to (0 = padding)
     rows.py      a collator's B rows as one packed row

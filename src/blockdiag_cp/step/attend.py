@@ -46,7 +46,8 @@ def attend_eagerly(call: AttentionCall, query: torch.Tensor, key: torch.Tensor, 
         return stock_sdpa(call, query, key, value)
     ensure(call.kind == "step", f"attention call {call.kind!r} reached the eager path unsettled")
     state = STEP_SLOT.reach()  # an attention call: the model reached the step
-    if state is None:  # traced inside a step, run after it: a checkpointed layer recomputed after the step
+    if state is None:  # traced inside a step, run outside every turn: a checkpointed layer recomputed late
+        refuse_late_recompute(query, key, value)
         raise RuntimeError(
             "attention was recomputed in backward (activation checkpointing) after the block-diagonal CP "
             "step ended; call loss.backward() inside `with train_ctx():`"
@@ -170,23 +171,20 @@ class _MarkStepBackward(torch.autograd.Function):
 
 
 def refuse_late_recompute(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-    """Raise if this call, outside any step, is a checkpointed CP layer recomputed in
-    backward after its step's ``train_ctx()`` exited (Note [Late recompute] in step/slot.py).
+    """Raise if this call, outside every turn, must not run on this rank's shard alone: steps are in flight
+    (Note [Attention outside every turn] in step/slot.py), or it is a checkpointed CP layer recomputed in
+    backward after its step's ``train_ctx()`` exited (Note [Late recompute]).
 
-    Such a recompute would silently compute unsharded, unmasked attention. Nothing while torch.compile
+    Such a call would silently compute unsharded, unmasked attention. Nothing while torch.compile
     traces (the slot is host state): a compiled call that may be one is the opaque op, whose run
     checks (Note [One way down] in dispatch.py).
     """
     if torch.compiler.is_compiling():
         return
-    ended = STEP_SLOT.ended_step()
-    if ended is None or torch._C._current_graph_task_id() == -1:
-        return
-    if ended.matches(call_signature(query, key, value)):
-        raise RuntimeError(
-            "attention was recomputed in backward (activation checkpointing) after the "
-            "block-diagonal CP step ended; call loss.backward() inside `with train_ctx():`"
-        )
+    in_backward = torch._C._current_graph_task_id() != -1
+    problem = STEP_SLOT.outside_turns(call_signature(query, key, value), in_backward)
+    if problem is not None:
+        raise RuntimeError(problem)
 
 
 def call_problem(state: StepState, query, key, value, enable_gqa: bool) -> Optional[ValueError]:

@@ -35,6 +35,7 @@ def make_cp_blockdiag_batch_and_ctx(
     padding_token_id: int = 0,
     config: Optional[CPConfig] = None,
     seq_dims: Optional[Mapping[str, int]] = None,
+    shard_primary: bool = True,
 ) -> tuple[Callable[[], ContextManager], dict[str, Any]]:
     """Shard a packed batch for block-diagonal CP and return ``(train_ctx, batch)``.
 
@@ -64,11 +65,19 @@ def make_cp_blockdiag_batch_and_ctx(
         seq_dims: extra sequence-aligned keys and their sequence dimension, e.g.
             Gemma 3n's ``{"per_layer_inputs": 1}`` for ``[1, S, layers, dim]``; they are
             padded with 0 (False for bool) and sharded like the others.
+        shard_primary: NeMo AutoModel 0.7.0's flag of this function; True (the seed's behaviour) is the only
+            value: a model that shards its own primary stream would not follow this step's plan (`ValueError`).
+            AutoModel's three-output form is `blockdiag_cp.integrations.automodel.shard_batch`.
 
     Returns:
         ``(train_ctx, batch)``: ``train_ctx()`` returns the context manager that
         activates this step; run forward *and* backward inside it.
     """
+    if shard_primary is not True:
+        raise ValueError("make_cp_blockdiag_batch_and_ctx(shard_primary=False) (NeMo AutoModel 0.7.0's flag) is not "
+                         "supported: the step shards the primary stream (input_ids / inputs_embeds) by its own plan; "
+                         "for AutoModel's (train_ctx, batch, layout) form use "
+                         "blockdiag_cp.integrations.automodel.shard_batch")
     config = CPConfig() if config is None else config
     if not isinstance(config, CPConfig):
         raise CPTypeError(f"config must be a CPConfig, got {type(config).__name__}")

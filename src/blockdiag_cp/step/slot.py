@@ -1,4 +1,4 @@
-"""The step slot: the one piece of mutable process state, holding the active step.
+"""The step slot: the one piece of mutable process state, holding the step whose work runs now.
 
 Note [Why a process-wide slot, not a ContextVar]
 ------------------------------------------------
@@ -6,34 +6,74 @@ Note [Why a process-wide slot, not a ContextVar]
 not an argument. The lookup must work from any thread: activation checkpointing
 re-runs a layer's forward inside backward, and the autograd engine may run that on
 its own worker thread, where a `ContextVar` set by the training thread is invisible.
-So the active step lives in one `StepSlot` per process (`STEP_SLOT`), guarded by a
-lock. It is the only module-level object that changes, and it holds:
+So the step lives in one `StepSlot` per process (`STEP_SLOT`), guarded by a lock. It is
+the only module-level object that changes, and it holds:
 
-- the active `StepState` while ``train_ctx()`` is entered (dropped when it exits);
-- `EndedStep`: a tensor-free note of the last step, kept only while a checkpointed
-  layer of that step may still be recomputed late (Note [Late recompute]);
+- the steps *in flight* (begun, not yet ended: one for the seed's ``with train_ctx():``,
+  one per micro-batch under a pipeline schedule) with what each recorded, and which
+  one's *turn* it is now (Note [Steps in flight, one turn at a time]);
+- `EndedStep`: a tensor-free note of each step that ended before backward reached it,
+  kept only while a checkpointed layer of that step may still be recomputed late
+  (Note [Late recompute]);
 - one cached `StepState` for a packed row attended outside a step (the transformers
   integration plans once per forward, not once per layer); it is dropped as soon as
   the tensor it was derived from is freed;
 - the autograd graphs of compiled attention calls until their backward runs
   (`KeptGraphs`, Note [One opaque op] in step/opaque.py).
 
-`in_step` is a plain bool, read without the lock: it is what ``torch.compile`` guards on
-(a compiled function has one graph for inside steps and one for outside), where a lock
-or the state object itself (new every step) would break the graph or recompile it.
+`in_step` is a plain bool (a turn is running), read without the lock: it is what
+``torch.compile`` guards on (a compiled function has one graph for inside steps and one for
+outside), where a lock or the state object itself (new every step) would break the graph or
+recompile it.
+
+Note [Steps in flight, one turn at a time]
+------------------------------------------
+A *step* is one packed row's work on this rank: its forward, its backward, and the
+recompute of its checkpointed layers. The seed's loop runs a step in one *turn*:
+``with train_ctx(): forward; backward`` begins the step, makes it the running one, and
+ends it on exit (`StepSlot.activate`).
+
+A pipeline schedule keeps several micro-batches in flight on a stage: micro-batch k+1's
+forward runs before k's backward; zero-bubble schedules split k's backward into an input
+part and a weight part that run apart, in any order with other micro-batches' work; a
+checkpointed layer of k is recomputed inside whichever of those parts first needs it. Two
+facts make one slot enough. Every action a schedule runs names its micro-batch (the stage's
+``forward_one_chunk(k)``, ``backward_one_chunk(k)``, ``backward_weight_one_chunk(k)``), and a
+process runs one action at a time (autograd's worker threads work for the action that waits
+on them). So each micro-batch's step is begun once (`StepSlot.begin`), every action of
+micro-batch k is a turn of step k (`StepSlot.turn`: the slot holds step k for the action's
+duration, and every lookup in it finds step k, on any thread), and the steps end together
+when the schedule's step is over (`StepSlot.end`). What a step records (its attention calls,
+the signatures its ranks agreed on, whether backward reached it, whether the model reached
+the library) lives with that step, not with the slot, so turns of different steps never mix.
+step/micro_batches.py binds a schedule's stages to their micro-batches' steps.
+
+A state passed with the micro-batch as the stage's keyword arguments (as torchtitan passes its
+per-micro-batch masks) reaches the forward only: a backward action gets no arguments, and a
+recompute gets its layer's inputs. The micro-batch index reaches every action.
+
+Note [Attention outside every turn]
+-----------------------------------
+While steps are in flight, an attention call or a routed token mixer outside every turn is
+refused: it runs on this rank's shard alone, without its micro-batch's documents (a stage
+whose actions were not bound to their steps, a forward called around the schedule), and it
+would be silently wrong. Outside steps in flight nothing changes: a call is stock SDPA, or a
+packed row's per-document attention (transformers' interface), as before.
 
 Note [A step the model never reached]
 -------------------------------------
 A model whose token mixing never reaches blockdiag-cp (another ``attn_implementation``, its
 own attention path, no attention layer at all) runs inside ``train_ctx()`` without an error:
-each rank computes on its shard alone, a silently wrong result. So the slot counts the calls
-the model's token mixers make in the step (attention calls, through `StepSlot.reach`; routed mixer
-calls; a refusal the library raised in the step counts too: the user saw it; `gather_sequence` and
-the losses do not: they are not the model's), and a step that exits cleanly without any raises
-`ModelRefusal` on leaving ``train_ctx()``: after the user's backward,
-before their optimizer step (which the README's loop and the Trainer run after the block).
-Every rank runs the same model, so every rank makes no call alike and raises alike; a step
-left by an exception is left as it is (that error is the one to see).
+each rank computes on its shard alone, a silently wrong result. So each step counts the calls
+the model's token mixers make in its turns (attention calls, through `StepSlot.reach`; routed
+mixer calls; a refusal the library raised in the step counts too: the user saw it;
+`gather_sequence` and the losses do not: they are not the model's), and a step that ends
+cleanly without any raises `ModelRefusal` when it ends: on leaving ``train_ctx()``, after the
+user's backward, before their optimizer step (which the README's loop and the Trainer run
+after the block); under a pipeline, when the schedule's step is over, if no rank of the pipeline
+reached it (a stage of embeddings or the head alone reaches nothing by itself). Every rank runs
+the same model, so every rank makes no call alike and raises alike; a step left by an exception
+is left as it is (that error is the one to see).
 
 Note [Late recompute]
 ---------------------
@@ -43,9 +83,11 @@ silently compute unsharded attention: wrong gradients. Every attention call insi
 step passes its output through a marker whose backward tells the slot "backward
 reached this step". A step that ends before any backward reached it leaves an
 `EndedStep` (the shapes and dtypes of its calls, no tensors); an attention call
-*during backward*, outside any step, that matches one of them is that step's late
+*during backward*, outside any turn, that matches one of them is that step's late
 recompute and raises. Once backward reaches the step's markers, or the next
-step starts, the note is dropped, so later ordinary checkpointed calls are untouched.
+step begins, the note is dropped, so later ordinary checkpointed calls are untouched.
+(While steps are in flight, every call outside a turn is refused anyway: Note [Attention
+outside every turn].)
 """
 
 from __future__ import annotations
@@ -109,25 +151,34 @@ class EndedStep:
 
 
 @dataclass
-class _ActiveStep:
-    """Book-keeping of the active step (mutated only under the slot's lock)."""
+class _Step:
+    """Book-keeping of one step in flight (mutated only under the slot's lock): Note [Steps in flight, ...]."""
 
     state: "StepState"
     step_id: int
-    depth: int = 1
     backward_seen: bool = False
     reached: int = 0
     calls: set[CallSignature] = field(default_factory=set)
     agreed: set[CallSignature] = field(default_factory=set)
 
 
+@dataclass(frozen=True)
+class StepTicket:
+    """A step in flight (`StepSlot.begin`): what its turns and its end name."""
+
+    step_id: int
+    state: "StepState"
+
+
 class StepSlot:
-    """Holds the active `StepState` for the whole process (Note [Why a process-wide slot])."""
+    """The steps in flight and the one whose turn it is, for the whole process (Note [Why a process-wide slot])."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._active: Optional[_ActiveStep] = None
-        self._ended: Optional[EndedStep] = None
+        self._flight: dict[int, _Step] = {}
+        self._running: Optional[_Step] = None
+        self._depth = 0  # nested turns of the running step
+        self._ended: tuple[EndedStep, ...] = ()
         self._next_id = 0
         self._implicit: dict[tuple, Optional["StepState"]] = {}
         self._row_marks: dict[int, tuple[int, torch.Tensor]] = {}
@@ -139,94 +190,163 @@ class StepSlot:
         self.kept = KeptGraphs()
 
     def current(self) -> Optional["StepState"]:
+        """The state of the step whose turn it is (None outside every turn)."""
         with self._lock:
-            return None if self._active is None else self._active.state
+            return None if self._running is None else self._running.state
 
     def reach(self) -> Optional["StepState"]:
         """`current`, for a token mixer of the model that reaches the library (an attention call: it counts
         for Note [A step the model never reached], whether it then succeeds or is refused)."""
         with self._lock:
-            if self._active is None:
+            if self._running is None:
                 return None
-            self._active.reached += 1
-            return self._active.state
+            self._running.reached += 1
+            return self._running.state
 
     @contextlib.contextmanager
     def activate(self, state: "StepState") -> Iterator["StepState"]:
-        """Make `state` the active step for the duration of the block (re-entrant for the same state)."""
+        """The seed's step: begin `state`'s step, run the block as its one turn, end it (re-entrant for the
+        same state: an inner block is part of the outer one's turn)."""
         with self._lock:
-            if self._active is not None and self._active.state is not state:
-                self._active.reached += 1  # the library refused in the step: Note [A step the model never reached]
-                raise RuntimeError(
-                    "another block-diagonal CP step is already active; exit its train_ctx() "
-                    "before entering the next one"
-                )
-            if self._active is None:
-                self._next_id += 1
-                self._active, self._ended = _ActiveStep(state, self._next_id), None
-                self.in_step = True
+            running = self._running
+            if running is not None and running.state is state:
+                self._depth += 1
+                inner = True
             else:
-                self._active.depth += 1
+                self._refuse_another(running)
+                step = self._begin_locked(state)
+                self._enter_locked(step)
+                inner = False
         try:
             yield state
         except BaseException:
-            with self._lock:
-                self._release()
+            self._leave(None if inner else StepTicket(step.step_id, state), check_reached=False)
             raise
-        with self._lock:
-            ended = self._release()
-        if ended is not None and not ended.calls and not ended.reached:
-            raise _never_reached()
+        self._leave(None if inner else StepTicket(step.step_id, state), check_reached=True)
 
-    def _release(self) -> Optional[_ActiveStep]:
-        """Leave one level of the active step; return its book-keeping when the step ended."""
-        active = self._active
-        active.depth -= 1
-        if active.depth:
-            return None
-        self._active = None  # the step's tensors go with the state
-        self.in_step = False
-        if active.calls and not active.backward_seen:
-            self._ended = EndedStep(active.step_id, frozenset(active.calls))
-        return active
+    def _leave(self, ending: Optional[StepTicket], check_reached: bool) -> None:
+        """Leave one level of the running turn, and end the step `ending` (if not None)."""
+        with self._lock:
+            self._leave_locked()
+        if ending is not None:
+            self.end([ending], check_reached)
+
+    def begin(self, state: "StepState") -> StepTicket:
+        """Put a step of `state` in flight (a pipeline's micro-batch): its work runs in `turn` blocks, and it
+        ends with `end`. The notes of steps that ended earlier are dropped (Note [Late recompute])."""
+        with self._lock:
+            step = self._begin_locked(state)
+            return StepTicket(step.step_id, state)
+
+    @contextlib.contextmanager
+    def turn(self, ticket: StepTicket) -> Iterator["StepState"]:
+        """Make the in-flight step `ticket` the running one for the block (Note [Steps in flight, ...])."""
+        with self._lock:
+            step = self._flight.get(ticket.step_id)
+            if step is None:
+                raise RuntimeError(f"blockdiag-cp: step {ticket.step_id} is not in flight (it ended, or never began)")
+            if self._running is step:
+                self._depth += 1
+            else:
+                self._refuse_another(self._running)
+                self._enter_locked(step)
+        try:
+            yield step.state
+        finally:
+            with self._lock:
+                self._leave_locked()
+
+    def end(self, tickets: Sequence[StepTicket], check_reached: bool = True) -> tuple[bool, ...]:
+        """End the steps `tickets`: each that backward did not reach leaves an `EndedStep` note (Note [Late
+        recompute]). Returns whether the model reached each (Note [A step the model never reached]); with
+        `check_reached`, `ModelRefusal` if any was not."""
+        with self._lock:
+            steps = {t.step_id: self._flight.pop(t.step_id) for t in tickets if t.step_id in self._flight}
+            self._ended += tuple(EndedStep(s.step_id, frozenset(s.calls)) for s in steps.values()
+                                 if s.calls and not s.backward_seen)
+        reached = tuple(t.step_id in steps and bool(steps[t.step_id].calls or steps[t.step_id].reached)
+                        for t in tickets)
+        if check_reached and not all(reached):
+            raise never_reached_refusal()
+        return reached
+
+    def _begin_locked(self, state: "StepState") -> _Step:
+        self._next_id += 1
+        step = self._flight[self._next_id] = _Step(state, self._next_id)
+        self._ended = ()
+        return step
+
+    def _enter_locked(self, step: _Step) -> None:
+        self._running, self._depth = step, 1
+        self.in_step = True
+
+    def _leave_locked(self) -> None:
+        self._depth -= 1
+        if not self._depth:
+            self._running = None  # the step's tensors stay with its state, in flight until it ends
+            self.in_step = False
+
+    def _refuse_another(self, running: Optional[_Step]) -> None:
+        if running is not None:
+            running.reached += 1  # the library refused in the step: Note [A step the model never reached]
+            raise RuntimeError(
+                "another block-diagonal CP step is already active; exit its train_ctx() "
+                "before entering the next one"
+            )
 
     def note_reached(self) -> None:
-        """The model reached the library in the active step: a routed token mixer, transformers' attention
+        """The model reached the library in the running step: a routed token mixer, transformers' attention
         interface, or a refusal of the library (Note [A step the model never reached]). Nothing while
         torch.compile traces: the compiled attention (the opaque op) reaches the step when it runs."""
         if torch.compiler.is_compiling():
             return
         with self._lock:
-            if self._active is not None:
-                self._active.reached += 1
+            if self._running is not None:
+                self._running.reached += 1
 
     def note_call(self, call: CallSignature) -> int:
-        """Record an attention call of the active step; return the step's id for its marker."""
+        """Record an attention call of the running step; return the step's id for its marker."""
         with self._lock:
-            self._active.calls.add(call)
-            return self._active.step_id
+            self._running.calls.add(call)
+            return self._running.step_id
 
     def needs_agreement(self, call: CallSignature) -> bool:
-        """True for the first call of this signature in the active step (Note [Ranks agree] in agree.py)."""
+        """True for the first call of this signature in the running step (Note [Ranks agree] in agree.py)."""
         with self._lock:
-            return call not in self._active.agreed
+            return call not in self._running.agreed
 
     def mark_agreed(self, call: CallSignature) -> None:
         with self._lock:
-            self._active.agreed.add(call)
+            self._running.agreed.add(call)
 
     def note_backward(self, step_id: int) -> None:
         """Backward reached an attention call of step `step_id` (Note [Late recompute])."""
         with self._lock:
-            if self._active is not None and self._active.step_id == step_id:
-                self._active.backward_seen = True
-            if self._ended is not None and self._ended.step_id == step_id:
-                self._ended = None
+            step = self._flight.get(step_id)
+            if step is not None:
+                step.backward_seen = True
+            self._ended = tuple(e for e in self._ended if e.step_id != step_id)
 
-    def ended_step(self) -> Optional[EndedStep]:
-        """The last step, if it ended before backward reached it (else None)."""
+    def outside_turns(self, call: Optional[CallSignature], in_backward: bool) -> Optional[str]:
+        """Why a call outside every turn must be refused, else None: steps are in flight (Note [Attention outside
+        every turn]), or `in_backward` an attention `call` matches a step that ended before backward reached it
+        (Note [Late recompute]; None: a routed token mixer, checked for the first only)."""
         with self._lock:
-            return self._ended
+            if self._running is not None:
+                return None
+            if self._flight:
+                return ("attention (or a routed token mixer) ran outside the turns of the steps in flight: under a "
+                        "pipeline schedule every stage action must run its micro-batch's step (bind the schedule "
+                        "with PipelineSteps(...)(schedule) on every rank), or this rank would mix its shard alone")
+            if in_backward and call is not None and any(ended.matches(call) for ended in self._ended):
+                return ("attention was recomputed in backward (activation checkpointing) after the block-diagonal "
+                        "CP step ended; call loss.backward() inside `with train_ctx():`")
+        return None
+
+    def in_flight(self) -> bool:
+        """Whether any step is in flight (begun, not ended)."""
+        with self._lock:
+            return bool(self._flight)
 
     def implicit_state(
         self, sources: Sequence[Optional[torch.Tensor]], tag: Hashable, build: Callable[[], Optional["StepState"]]
@@ -289,7 +409,8 @@ class StepSlot:
         return noted[1] if noted is not None and noted[0] == length else None
 
 
-def _never_reached() -> Exception:
+def never_reached_refusal() -> Exception:
+    """The `ModelRefusal` of a step the model never reached (Note [A step the model never reached])."""
     from ..errors import ModelRefusal
 
     return ModelRefusal(
@@ -307,5 +428,6 @@ STEP_SLOT = StepSlot()
 
 
 def current_step() -> Optional["StepState"]:
-    """The active step's state, or None outside ``train_ctx()``."""
+    """The state of the step whose turn it is (inside ``train_ctx()``, or a pipeline stage action bound by
+    `PipelineSteps`), else None."""
     return STEP_SLOT.current()

@@ -91,12 +91,12 @@ def pack_rows(docs: list[bytes], steps: int, seq_len: int, seed: int = 0) -> lis
     return rows
 
 
-def make_model(attn_implementation: str, dtype: torch.dtype):
+def make_model(attn_implementation: str, dtype: torch.dtype, layers: int = 2):
     import transformers
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=176, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=4096, attn_implementation=attn_implementation,
     )
     return transformers.LlamaForCausalLM(config).to(dtype)
@@ -113,14 +113,15 @@ def reference_losses(rows: list[PackedRow], dtype: torch.dtype) -> list[float]:
 
 def train_unsharded(
     streams: Sequence[Sequence[PackedRow]], dtype: torch.dtype, lr: float = 3e-3, weight_decay: float = 0.01,
+    layers: int = 2,
 ) -> dict[str, Any]:
     """The run without any parallelism, in one process: transformers' SDPA on the unsharded rows.
 
     Step ``t`` takes row ``t`` of every stream (the rows the dp replicas train on together) and
-    their token mean; AdamW. Returns ``{"losses": [...], "grads": {name: the last step's},
+    their token mean; AdamW; a Llama of `layers` decoder layers. Returns ``{"losses": [...], "grads": {name: the last step's},
     "params": {name: final}}``: what the examples' parallel runs are compared with.
     """
-    model = make_model("sdpa", dtype)
+    model = make_model("sdpa", dtype, layers)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     losses = []
     for rows in zip(*streams):
