@@ -58,7 +58,7 @@ from typing import Any, Iterator, Mapping, Optional
 
 from axolotl.integrations.base import BasePlugin
 
-from ..hf.options import deepspeed_problem, fsdp_config_problem
+from ..hf.engine_configs import deepspeed_problem, fsdp_config_problem
 
 #: the attention settings axolotl's run without CP separates packed documents with (its baseline); under the
 #: plugin every rank attends with blockdiag-cp's per-document kernel instead (`CPConfig`'s kernel)

@@ -289,7 +289,8 @@ def _clip_grad_norm_in_float64(parameters: Any, max_norm: float, norm_type: floa
     in the gradients' dtype: the logged norm and the clipping are then the gradients' own, whatever the sharding.
     Everything else is torchtitan's: the DTensor reductions, the pipeline stages' sum, the clipping.
     """
-    assert not ep_enabled, "expert parallelism is refused by check_options"
+    if ep_enabled:
+        raise ValueError("expert parallelism is refused under blockdiag-cp (check_options names it before the run)")
     parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
