@@ -22,12 +22,13 @@ ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "AXOLOTL_DO_NOT_TRACK"
 
 
 #: the model families the tests train (the plugin knows none of them by name)
-FAMILIES = ("llama", "qwen3")
+FAMILIES = ("llama", "qwen3", "gemma2")
 
 
 def tiny_model(family: str = "llama", dtype: torch.dtype = torch.float32, hidden: int = 32):
     """A 2-layer causal LM of `family` with random weights (GQA: 4 query heads, 2 key/value heads; Qwen3: q/k norms
-    and its own head size), `hidden` wide."""
+    and its own head size; Gemma 2: a sliding layer and a global one, softcaps, its own query scale), `hidden`
+    wide."""
     import transformers
 
     torch.manual_seed(0)
@@ -38,6 +39,10 @@ def tiny_model(family: str = "llama", dtype: torch.dtype = torch.float32, hidden
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     elif family == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=16, tie_word_embeddings=False, **common))
+    elif family == "gemma2":  # sliding-window and global layers, a logit softcap that bites, tied embeddings
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            head_dim=16, sliding_window=24, attn_logit_softcapping=2.0, final_logit_softcapping=10.0,
+            query_pre_attn_scalar=12, **common))
     else:
         raise ValueError(f"unknown family {family!r}: one of {FAMILIES}")
     return model.to(dtype)
@@ -153,8 +158,11 @@ def launch(yaml_path: pathlib.Path, nproc: int, log: pathlib.Path, timeout: floa
                "-m", "axolotl.cli.train", str(yaml_path)]
     here = str(pathlib.Path(__file__).parent)  # axolotl_plugins (the CPU stand-ins) importable by axolotl
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    # DeepSpeed's JIT ops (its CPU shared-memory communication, CPU Adam) built once per venv: in the shared cache
+    # another venv's DeepSpeed rebuilds them back and forth (3 minutes a launch measured)
     env = {**os.environ, **ENV, "PYTHONPATH": path,
-           "PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+           "PATH": f"{pathlib.Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", f"{sys.prefix}/torch_extensions")}
     with open(log, "w") as out:
         code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
     if code:

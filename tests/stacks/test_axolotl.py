@@ -2,12 +2,13 @@
 the plugin and without CP at the same dp (every logged step's loss, grad norm and token counts, every evaluation's
 loss, the final parameters or adapter weights), at cp 2 (2 processes against 1) and dp 2 x cp 2 (4 processes against
 axolotl's own dp 2 run), with LoRA, DeepSpeed ZeRO-2 and ZeRO-3 (axolotl's own JSON configs), FSDP2 and a
-resume from a checkpoint, on two model families (Llama, Qwen3); a changed document moves no other document's loss, full fine-tuning
-or LoRA; the options the plugin has not verified are refused by name when axolotl registers it. Needs axolotl
-(``pip install -e ".[axolotl]"``, docs/axolotl.md): skipped in every other venv (``importorskip`` below).
+resume from a checkpoint, on three model families (Llama, Qwen3, Gemma 2); a changed document moves no other
+document's loss, full fine-tuning or LoRA; the options the plugin has not verified are refused by name when axolotl
+registers it. Needs axolotl (``pip install -e ".[axolotl]"``, docs/axolotl.md): skipped in every other venv
+(``importorskip`` below).
 
 All the launches start at once from one fixture (`runs`), a few side by side, and each test reads what its pair
-left; the resume starts when the run it resumes has finished.
+left; the resume is queued behind the biggest launches and starts once the run it resumes has finished.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from typing import Callable, Optional
 
 import pytest
 import torch
+import transformers
 import yaml
 
 pytest.importorskip("axolotl")
 
 from axolotl_plugins import REPORT  # noqa: E402
 from axolotl_runs import (  # noqa: E402
-    PLUGIN, ZERO2, ZERO3, deepspeed, launch, leak_worker, lora, results, with_cp, write_inputs)
+    PLUGIN, ZERO2, ZERO3, deepspeed, launch, leak_worker, lora, results, tiny_model, with_cp, write_inputs)
 
 from blockdiag_cp.integrations.axolotl import BlockDiagCPPlugin, refusal  # noqa: E402
 
@@ -63,7 +65,8 @@ class Pair:
 
 
 PAIRS = (
-    Pair("cp2", "llama", 1, lambda root, family: {}, "DistributedDataParallel"),
+    # Gemma 2 with eager attention (transformers' sdpa drops its logit softcap: the plugin refuses sdpa for it)
+    Pair("cp2", "gemma2", 1, lambda root, family: {"attn_implementation": "eager"}, "DistributedDataParallel"),
     Pair("dp2cp2_lora", "qwen3", 2, lambda root, family: {**lora(root, family), "save_steps": 1},
          "DistributedDataParallel"),
     Pair("cp2_lora_zero2", "qwen3", 1, lambda root, family: {**lora(root, family), **deepspeed(root, ZERO2, "z2.json")},
@@ -106,6 +109,13 @@ def resume_yaml(root: pathlib.Path) -> tuple[pathlib.Path, int]:
     return base / "resumed.yml", pair.dp * pair.cp
 
 
+def resume_after(whole: concurrent.futures.Future, root: pathlib.Path) -> None:
+    """`RESUMED`'s CP run resumed from its checkpoint, once that run (`whole`) has finished (its error if it failed)."""
+    whole.result()
+    path, nproc = resume_yaml(root)
+    launch(path, nproc, path.with_suffix(".log"))
+
+
 def selected_pairs(items: list) -> tuple[list[Pair], bool]:
     """The pairs whose comparisons this session runs (``-k`` may pick some), and whether it runs the resume."""
     names = {item.callspec.params["pair"].name for item in items
@@ -124,13 +134,15 @@ def runs(tmp_path_factory, request) -> dict:
     for pair in pairs:
         for name, (path, nproc) in pair_yamls(root, pair).items():
             jobs[(pair.name, name)] = (path, nproc)
-    order = sorted(jobs, key=lambda key: -jobs[key][1])
+    order = sorted(jobs, key=lambda key: (-jobs[key][1], key != (RESUMED, "cp")))  # the resumed run's first
+    biggest = sum(nproc == jobs[order[0]][1] for _, nproc in jobs.values())
     with concurrent.futures.ThreadPoolExecutor(PARALLEL) as pool:
-        futures = {key: pool.submit(launch, jobs[key][0], jobs[key][1], jobs[key][0].with_suffix(".log"))
-                   for key in order}
-        if resume and futures[(RESUMED, "cp")].exception() is None:
-            path, nproc = resume_yaml(root)
-            futures[(RESUMED, "resumed")] = pool.submit(launch, path, nproc, path.with_suffix(".log"))
+        futures = {}
+        for key in order:
+            futures[key] = pool.submit(launch, jobs[key][0], jobs[key][1], jobs[key][0].with_suffix(".log"))
+            if resume and len(futures) == biggest:
+                # behind the biggest launches (the run it resumes long done by then), not at the end of the queue
+                futures[(RESUMED, "resumed")] = pool.submit(resume_after, futures[(RESUMED, "cp")], root)
         concurrent.futures.wait(futures.values())
     out: dict = {}
     for (pair, name), future in futures.items():
@@ -317,6 +329,29 @@ def test_axolotls_fused_lora_kernels_are_refused_before_the_data_loads(monkeypat
         cfg = DictDefault({"adapter": "lora", kernel: True, "micro_batch_size": 1, "gradient_accumulation_steps": 1})
         with pytest.raises(ValueError, match=kernel):
             plugin.load_datasets(cfg)
+
+
+def test_a_softcap_that_sdpa_would_drop_is_refused_before_the_data_loads(tmp_path, monkeypatch):
+    """Gemma 2's attention logit softcap: transformers' sdpa drops it (the run without CP would be another model),
+    eager attention applies it as the plugin does; models without one pass with either."""
+    from axolotl.utils.dict import DictDefault
+
+    from blockdiag_cp.integrations.axolotl import attention_problem
+
+    for family in ("gemma2", "llama"):
+        tiny_model(family).config.save_pretrained(tmp_path / family)
+    gemma2, llama = (transformers.AutoConfig.from_pretrained(tmp_path / f) for f in ("gemma2", "llama"))
+    assert "attn_logit_softcapping=2.0" in attention_problem("sdpa", gemma2)
+    assert attention_problem("eager", gemma2) == attention_problem("sdpa", llama) == ""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    plugin = BlockDiagCPPlugin()
+    plugin.register(yaml_of())
+    cfg = DictDefault({"base_model": str(tmp_path / "gemma2"), "attn_implementation": "sdpa", "micro_batch_size": 1,
+                       "gradient_accumulation_steps": 1})
+    with pytest.raises(ValueError, match="attn_implementation: eager"):
+        plugin.load_datasets(cfg, preprocess=True)
+    cfg["attn_implementation"] = "eager"
+    assert plugin.load_datasets(cfg, preprocess=True) is None
 
 
 def test_the_multipack_sampler_sees_the_dp_replicas_as_its_world(monkeypatch):

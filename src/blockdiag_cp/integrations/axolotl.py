@@ -170,6 +170,28 @@ def _fsdp_problem(cfg: Mapping[str, Any]) -> str:
     return fsdp_config_problem({**config, "version": 2})
 
 
+def attention_problem(attn_implementation: Optional[str], config: Any) -> str:
+    """What in the model's attention the YAML's ``attn_implementation`` computes otherwise than the plugin, or ``""``:
+    transformers' ``sdpa`` drops a logit softcap (Gemma 2's ``attn_logit_softcapping``) that eager attention and the
+    plugin's per-document kernel apply, so axolotl's run without CP would not be the same model's."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    softcap = getattr(text, "attn_logit_softcapping", None)
+    if softcap is not None and attn_implementation != "eager":
+        return (f"the model's attn_logit_softcapping={softcap} with attn_implementation {attn_implementation!r}: "
+                "transformers' sdpa drops the softcap the plugin applies, so the run without CP is another model's; "
+                "set attn_implementation: eager")
+    return ""
+
+
+def _model_config(cfg: Any) -> Any:
+    """The transformers config of the YAML's model (``base_model_config``, else ``base_model``), read before the data
+    and the weights load."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(cfg.get("base_model_config") or cfg.get("base_model"),
+                                      trust_remote_code=bool(cfg.get("trust_remote_code")))
+
+
 def _is_this_plugin(name: Any) -> bool:
     """Whether the ``plugins:`` entry `name` is this plugin or a subclass of it (``module.Class``, as axolotl
     imports it)."""
@@ -291,7 +313,8 @@ class BlockDiagCPPlugin(BasePlugin):
         cfg.pop("sequence_parallel_degree", None)
 
     def load_datasets(self, cfg: Any, preprocess: bool = False) -> Any:
-        """After axolotl normalized the YAML: ``batch_size`` counts the ``world / cp`` data-parallel replicas, not
+        """After axolotl normalized the YAML: LoRA kernels and an attention setting that computes another model than the
+        plugin (`attention_problem`) refused; ``batch_size`` counts the ``world / cp`` data-parallel replicas, not
         every process (Note [context_parallel_size is the mixin's cp_size]); on CPU (gloo) each process's model stays
         on the CPU; then axolotl's own ``load_datasets``, its multipack sampler seeing the dp replicas as its world
         (Note [axolotl's multipack sampler sees the dp replicas as its world]). ``axolotl preprocess``: None (axolotl
@@ -302,6 +325,9 @@ class BlockDiagCPPlugin(BasePlugin):
                 f"{', '.join(kernels)} (axolotl's fused LoRA kernels, CUDA / triton, on by default with LoRA) are not "
                 f"verified under {PLUGIN}: set {': false, '.join(LORA_KERNELS)}: false"
             )
+        problem = attention_problem(cfg.get("attn_implementation"), _model_config(cfg))
+        if problem:
+            raise ValueError(f"{PLUGIN}: {problem}")
         cfg.batch_size = cfg.micro_batch_size * cfg.gradient_accumulation_steps * self.dp_size
         keep_on_cpu(cfg)
         if preprocess:
