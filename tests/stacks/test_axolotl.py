@@ -291,8 +291,8 @@ def test_what_the_plugin_verified_registers(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     for changes in ({}, {"adapter": "lora"},
                     {"deepspeed": ZERO2}, {"deepspeed": ZERO3}, fsdp2("llama"),
-                    {"fsdp_config": {"fsdp_version": 2, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-                                     "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}},
+                    {"fsdp_version": None, "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP",
+                                                           "fsdp_state_dict_type": "SHARDED_STATE_DICT"}},
                     {"plugins": [CP_PLUGIN]}, {"tensor_parallel_size": 1, "gradient_checkpointing": True}):
         cfg = yaml_of(**changes)
         assert refusal(cfg) is None, (changes, refusal(cfg))
