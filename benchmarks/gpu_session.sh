@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The whole device check in one call (about 6 minutes on one H200, plus torchtitan where .whl/ holds it): the CUDA tests,
-# benchmarks/gpu_check.py, then FSDP2 through the Trainer (benchmarks/gpu_fsdp2_trainer.py). Run from the
-# repository root; logs go to $OUT (or ./gpu_out).
+# The whole device check in one call (about 6 minutes on one H200, plus torchtitan where .whl/ holds it and verl where
+# it imports): the CUDA tests, benchmarks/gpu_check.py, then FSDP2 through the Trainer (benchmarks/gpu_fsdp2_trainer.py).
+# Run from the repository root; logs go to $OUT (or ./gpu_out).
 # The project runs from src/ on PYTHONPATH: nothing is installed.
 set -u
 out=${OUT:-gpu_out}; mkdir -p "$out"
@@ -28,4 +28,12 @@ timeout "${FSDP2_TIMEOUT:-180}" torchrun --standalone --nproc-per-node 1 benchma
 if [ -d .whl ] && ls .whl/torchtitan-*.whl >/dev/null 2>&1; then
     timeout "${TORCHTITAN_TIMEOUT:-300}" python3 benchmarks/gpu_torchtitan.py --wheels .whl \
         --out "$out/gpu_torchtitan.json" 2>&1 | tee "$out/gpu_torchtitan.log"
+fi
+# verl 0.9.1 (issue #53): the block-diagonal CP engine at cp 1 against verl's own FSDP engine on one GPU, where verl
+# imports (it needs transformers >= 5.5.3, < 5.11, ray and tensordict: docs/verl.md#gpu says what a GPU run must check)
+if python3 -c "import verl, ray, tensordict" >/dev/null 2>&1; then
+    timeout "${VERL_TIMEOUT:-300}" torchrun --standalone --nproc-per-node 1 benchmarks/gpu_verl.py \
+        --out "$out/gpu_verl.json" 2>&1 | tee "$out/gpu_verl.log"
+else
+    echo "verl not importable here (pip install -e '.[verl]' beside this torch): no verl run" | tee "$out/gpu_verl.log"
 fi

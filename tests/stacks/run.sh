@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The stacks' own tests (issues #48, #55), each in a venv of its own: axolotl, LLaMA-Factory, torchtitan and NeMo
-# AutoModel pin transformers / trl / accelerate / datasets versions that cannot share the main test venv (and each
-# other's).
+# The stacks' own tests (issues #48, #53, #55), each in a venv of its own: axolotl, LLaMA-Factory, torchtitan, NeMo
+# AutoModel and verl pin transformers / trl / accelerate / datasets versions that cannot share the main test venv
+# (and each other's).
 #
-#   bash tests/stacks/run.sh [axolotl] [llamafactory] [torchtitan] [automodel]    # default: all four
+#   bash tests/stacks/run.sh [axolotl] [llamafactory] [torchtitan] [automodel] [verl]    # default: all five
 #
 # Per stack: .venv-<stack> (made once, reused), torch pinned first (never let pip pick torch: it would fetch a
 # CUDA build), the stack's extra from pyproject.toml, then `pytest tests/stacks/test_<stack>*.py`. Exit status: the
@@ -36,7 +36,7 @@ install() {  # install <stack>: venv, torch pinned, the extra (and whatever the 
 }
 
 status=0
-for stack in "${@:-axolotl llamafactory torchtitan automodel}"; do
+for stack in "${@:-axolotl llamafactory torchtitan automodel verl}"; do
     for s in $stack; do
         t0=$SECONDS
         if ! install "$s"; then
