@@ -147,8 +147,8 @@ def merged(records: list[dict]) -> dict:
     record = next(r for r in records if r["last_stage"])
     for key in ("params", "expert_biases"):
         record[key] = {name: t for r in records for name, t in r[key].items()}
-    loads = [{name: t for r in records for name, t in r["expert_loads"][i].items()}
-             for i in range(len(record["expert_loads"]))]
+    loads = [{name: t for r in records if r["expert_loads"] for name, t in r["expert_loads"][i].items()}
+             for i in range(max(len(r["expert_loads"]) for r in records))]
     record["expert_loads"] = [torch.stack([step[name] for name in sorted(step)]) for step in loads]
     return record
 

@@ -48,8 +48,9 @@ Each piece goes in through one of torchtitan's own extension points:
 
 Refused by name (`check_options`): torchtitan's own CP (``parallelism.context_parallel_degree``), expert
 parallelism, the SPMD backends other than ``partial_dtensor``; with a pipeline, its validator, TP, compile and
-checkpoints (`REFUSED_WITH_PIPELINE`: not verified); a validator of another type than torchtitan's; attention
-configs it cannot route exactly (`route_attention`).
+checkpoints (`REFUSED_WITH_PIPELINE`: not verified), and torchtitan's chunked loss under a schedule that splits
+its backward (the final norm would get no gradient, with or without CP); a validator of another type than
+torchtitan's; attention configs it cannot route exactly (`route_attention`).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ from torchtitan.trainer import Trainer
 from ..config import CPConfig
 from .torchtitan_attention import BlockDiagCPAttention, BlockDiagCPConverter, route_attention
 from .torchtitan_moe import balances_expert_load, route_experts, uncount_padding
-from .torchtitan_pp import REFUSED_WITH_PIPELINE, PipelinedRows
+from .torchtitan_pp import REFUSED_WITH_PIPELINE, PipelinedRows, refuse_chunked_loss_under_split_backward
 from .torchtitan_rows import (
     BlockDiagCPValidator,
     CPGroupRows,
@@ -143,6 +144,7 @@ def check_options(config: "BlockDiagCPTrainer.Config") -> None:
         value = getattr(getattr(config, section), name)
         if value != keep:
             raise ValueError(f"{path}={value!r} is refused by BlockDiagCPTrainer ({why}); set {path}={keep!r}")
+    refuse_chunked_loss_under_split_backward(config)
     _refuse_uncountable_padding(config)
     if config.validator.enable and type(config.validator) not in (Validator.Config, BlockDiagCPValidator.Config):
         raise ValueError(f"validator={type(config.validator).__qualname__} is refused by BlockDiagCPTrainer: only "
@@ -293,7 +295,8 @@ def _clip_grad_norm_in_float64(parameters: Any, max_norm: float, norm_type: floa
     in the gradients' dtype: the logged norm and the clipping are then the gradients' own, whatever the sharding.
     Everything else is torchtitan's: the DTensor reductions, the pipeline stages' sum, the clipping.
     """
-    assert not ep_enabled, "expert parallelism is refused by check_options"
+    if ep_enabled:
+        raise ValueError("expert parallelism is refused by check_options")
     parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads]

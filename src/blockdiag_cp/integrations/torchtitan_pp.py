@@ -20,15 +20,37 @@ schedules do not take (they split whole-batch inputs: torchtitan's own pipeline 
 arg_mbs but got 1", with or without this library). So the micro-batches' shards are stacked (one packed row per
 micro-batch, dimension 0) and given to ``schedule.step`` as torch 2.13 takes them: the token ids to the first
 stage, ``positions`` to every stage, the labels to the last; the schedule splits them back, in order.
+
+Note [torchtitan's chunked loss under a split backward]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Under a schedule that splits each backward into its input and weight parts (InterleavedZeroBubble,
+ZBVZeroBubble, DualPipeV), torchtitan 0.3.0's `ChunkedLossWrapper` (its configs' default loss) leaves the final
+norm's weight without a gradient, at every step, with or without CP: measured through this trainer at cp 1 (the
+logged grad norm 3.6e-5 off, ``norm.weight`` 1.3e-3 apart after 2 AdamW steps, every other gradient equal at
+step 1) and with torch's pipelining, torchtitan's loss and FSDP alone (no blockdiag-cp). torchtitan shards the
+norm and the head as one FSDP unit, which the wrapper reshards at the end of its forward (its backward runs inside
+the loss); torch's split backward then looks up the stage's parameters, the sharded ones, which the norm's graph
+does not hold. Without FSDP, or under a schedule with a full backward (GPipe, 1F1B, Interleaved1F1B, LoopedBFS),
+the norm gets its gradient. So `refuse_chunked_loss_under_split_backward` refuses the pair by name; the loss
+itself (``config.loss = config.loss.loss_fn``: torchtitan's cross-entropy on the whole shard) trains exactly.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch.distributed.pipelining.schedules import (
+    ScheduleDualPipeV,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+    get_schedule_class,
+)
+from torchtitan.components.loss import ChunkedLossWrapper
 
 from ..step.micro_batches import PipelineSteps
 
-__all__ = ("REFUSED_WITH_PIPELINE", "PipelinedRows")
+__all__ = ("REFUSED_WITH_PIPELINE", "PipelinedRows", "refuse_chunked_loss_under_split_backward")
 
 #: (the option, the value that keeps it off, why it is refused) with ``parallelism.pipeline_parallel_degree`` > 1
 REFUSED_WITH_PIPELINE = (
@@ -39,6 +61,35 @@ REFUSED_WITH_PIPELINE = (
     ("compile.enable", False, "torchtitan's compiled pipeline stages under blockdiag-cp are not verified"),
     ("checkpoint.enable", False, "checkpoints of a pipeline under blockdiag-cp (saving, resuming) are not verified"),
 )
+
+#: torch 2.13's schedules that split each backward into its input and weight parts
+SPLIT_BACKWARD_SCHEDULES = (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV)
+
+
+def refuse_chunked_loss_under_split_backward(config: Any) -> None:
+    """Refuse torchtitan's `ChunkedLossWrapper` under a pipeline schedule that splits its backward, or one read
+    from a CSV file (it may): the final norm's weight would get no gradient (Note [torchtitan's chunked loss under
+    a split backward]).
+
+    Raises:
+        ValueError: naming the loss, the schedule and what to use instead.
+    """
+    parallelism = config.parallelism
+    if parallelism.pipeline_parallel_degree <= 1 or not isinstance(config.loss, ChunkedLossWrapper.Config):
+        return
+    if parallelism.pipeline_parallel_schedule_csv:
+        schedule = f"parallelism.pipeline_parallel_schedule_csv={parallelism.pipeline_parallel_schedule_csv!r}"
+    elif issubclass(get_schedule_class(parallelism.pipeline_parallel_schedule), SPLIT_BACKWARD_SCHEDULES):
+        schedule = f"parallelism.pipeline_parallel_schedule={parallelism.pipeline_parallel_schedule!r}"
+    else:
+        return
+    raise ValueError(
+        f"loss=ChunkedLossWrapper with {schedule} is refused by BlockDiagCPTrainer: under a schedule that splits "
+        f"each backward into its input and weight parts (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV; a CSV "
+        f"schedule may), torchtitan's chunked loss leaves the final norm's weight without a gradient, with or "
+        f"without CP (Note [torchtitan's chunked loss under a split backward]). Set config.loss = "
+        f"config.loss.loss_fn (the cross-entropy on the whole shard), or a schedule with a full backward (GPipe, "
+        f"1F1B, Interleaved1F1B, LoopedBFS)")
 
 
 class PipelinedRows:
