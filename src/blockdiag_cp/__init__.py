@@ -62,7 +62,7 @@ if _typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time each n
     from .step.world import make_cp_world_batch_and_ctx
     from .step.world_plan import plan_rank_state
 
-__version__ = "0.12.0"
+__version__ = "0.13.0"
 
 __all__ = (
     "CPConfig",

@@ -17,7 +17,7 @@ The same `PlanOptions` goes to ``plan_shards(..., options=...)``. The flat keywo
 0.10 (``balance_window``, ``ranks_per_node``, ``token_cap``, ``step_costs``,
 ``ulysses_degree``, ``attention_heads`` on `CPConfig`; ``window``, ``ranks_per_node``,
 ``token_cap``, ``costs`` on `plan_shards`), and reading them back as attributes, keep
-working until 0.13 with a `DeprecationWarning` that names the new spelling (`MOVED`).
+working until 0.14 with a `DeprecationWarning` that names the new spelling (`MOVED`).
 """
 
 from __future__ import annotations

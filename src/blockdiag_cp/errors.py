@@ -81,9 +81,9 @@ def check_choice(knob: str, value: object, choices: tuple[str, ...]) -> str:
 
 
 def warn_moved(old: str, new: str, depth: int = 1) -> None:
-    """A `DeprecationWarning` for a knob spelled the old way (it keeps working until 0.13); `new` is its spelling.
+    """A `DeprecationWarning` for a knob spelled the old way (it keeps working until 0.14); `new` is its spelling.
     `depth`: the frames between the library's entry and this call (the warning names the user's line)."""
     import warnings
 
-    warnings.warn(f"{old} is deprecated and keeps working until blockdiag-cp 0.13: write {new}",
+    warnings.warn(f"{old} is deprecated and keeps working until blockdiag-cp 0.14: write {new}",
                   DeprecationWarning, stacklevel=2 + depth)

@@ -33,11 +33,13 @@ class DeltaRule:
     sizes = (HK * DK, HK * DK, HV * DV, HV, HV)
     shapes = ((HK, DK), (HK, DK), (HV, DV), (HV,), (HV,))
 
+    decay_input = 3  # g
+
     @staticmethod
-    def inputs(S, g):
+    def inputs(S, g, strength=1.0):
         q, k = (torch.randn(S, HK, DK, generator=g, dtype=torch.float64) for _ in range(2))
         v = torch.randn(S, HV, DV, generator=g, dtype=torch.float64)
-        decay = -torch.rand(S, HV, generator=g, dtype=torch.float64)  # log decays <= 0
+        decay = -strength * torch.rand(S, HV, generator=g, dtype=torch.float64)  # log decays <= 0
         beta = torch.rand(S, HV, generator=g, dtype=torch.float64)
         return q, k, v, decay, beta
 
@@ -56,29 +58,31 @@ class Scan:
     sizes = (H * P, H, G * N, G * N)
     shapes = ((H, P), (H,), (G, N), (G, N))
 
+    decay_input = 1  # dt (the log-decay is dt A)
+
     @staticmethod
-    def inputs(S, g):
+    def inputs(S, g, strength=1.0):
         x = torch.randn(S, H, P, generator=g, dtype=torch.float64)
-        dt = torch.rand(S, H, generator=g, dtype=torch.float64) + 0.05
+        dt = strength * (torch.rand(S, H, generator=g, dtype=torch.float64) + 0.05)
         B, C = (torch.randn(S, G, N, generator=g, dtype=torch.float64) for _ in range(2))
         return x, dt, B, C
 
     @staticmethod
     def oracle(rows):
         x, dt, B, C = (t[None] for t in rows)
-        return ssd_oracle(x, dt, A_SSD, B, C)[0][0]
+        return ssd_oracle(x, dt, A_SSD.to(x.dtype), B, C)[0][0]
 
     @staticmethod
     def across_ranks(state, rows):
         x, dt, B, C = rows
-        return piece_schedule(state).ssd(x, dt, A_SSD, B, C)
+        return piece_schedule(state).ssd(x, dt, A_SSD.to(x.dtype), B, C)
 
 
 RULES = {"delta rule": DeltaRule, "scan": Scan}
 
 
-def inputs(rule, segments):
-    return rule.inputs(sum(abs(n) for n in segments), torch.Generator().manual_seed(0))
+def inputs(rule, segments, strength=1.0):
+    return rule.inputs(sum(abs(n) for n in segments), torch.Generator().manual_seed(0), strength)
 
 
 def oracle(rule, segments, tensors):
@@ -94,14 +98,14 @@ def oracle(rule, segments, tensors):
     return out
 
 
-def recurrence_worker(rank, world, rule_name, segments, layout):
+def recurrence_worker(rank, world, rule_name, segments, layout, dtype=torch.float64, strength=1.0):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from blockdiag_cp import CPConfig
 
     rule = RULES[rule_name]
-    full = [t.clone().requires_grad_(True) for t in inputs(rule, segments)]
+    full = [t.to(dtype).requires_grad_(True) for t in inputs(rule, segments, strength)]
     S = full[0].shape[0]
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"] if world > 1 else None
     flat = torch.cat([t.reshape(S, -1) for t in full], dim=1)
@@ -205,3 +209,45 @@ def test_piece_buckets_run_the_chunks_each_piece_would_run_alone():
         assert all(chunks(lengths[i], longest) == chunks(lengths[i], lengths[i]) for i in bucket), \
             [lengths[i] for i in bucket]
     assert len(buckets) == len({chunks(n, n) for n in lengths})  # and pieces that can share a bucket do
+
+
+#: a packed row of long documents (several chunks of 64) that straddle the ranks at cp 2 and 3
+LONG_ROW = (150, 40, 7, 90, 33)
+#: log-decays of a trained model (Qwen3.5 initialises A up to 16, so g reaches -20 per token and more)
+STRONG = 20.0
+
+
+def decay_gradient_errors(rule, grads, want):
+    """Relative errors of the log-decay input's gradient: per token, and summed per head against the input
+    (a decay parameter's gradient, as A_log's: ``sum_t x_t dL/dx_t``, where terms cancel)."""
+    i = rule.decay_input
+    x = inputs(rule, LONG_ROW, STRONG)[i]
+    got, exact = grads[i].double(), want[i].double()
+    per_head = lambda d: (x * d).sum(0)  # noqa: E731
+    return (float((got - exact).norm() / exact.norm()),
+            float((per_head(got) - per_head(exact)).norm() / per_head(exact).norm()))
+
+
+def loop_gradients(rule, dtype):
+    """The token loop, each document alone, in `dtype` on the inputs rounded to float32: its input gradients
+    (in float32 nothing cancels inside, so its error is float32's own)."""
+    full = [t.float().to(dtype).requires_grad_(True) for t in inputs(rule, LONG_ROW, STRONG)]  # float32's values
+    out = oracle(rule, LONG_ROW, full)
+    (out * out.detach().sign()).sum().backward()
+    return [t.grad for t in full]
+
+
+@pytest.mark.parametrize("rule_name", list(RULES))
+def test_float32_decay_gradients_across_ranks_are_as_close_as_the_token_loops(rule_name, rank_pools):
+    """Note [Decays between tokens, summed between them]: with strong decays, the chunked kernels' float32
+    gradients of the log-decay (and of a per-head decay parameter, where terms cancel) are within 4x of
+    the float32 token loop's own error against float64, on one rank and at cp 2 (documents handed on
+    between ranks). A difference of cumulative sums was 20-2000x off."""
+    rule = RULES[rule_name]
+    want = loop_gradients(rule, torch.float64)
+    floor = decay_gradient_errors(rule, loop_gradients(rule, torch.float32), want)
+    one_rank = recurrence_worker(0, 1, rule_name, LONG_ROW, "contiguous", torch.float32, STRONG)
+    cp2 = rank_pools(2).run(recurrence_worker, rule_name, LONG_ROW, "balanced", torch.float32, STRONG)[0]
+    for where, (_, _, grads) in {"one rank": one_rank, "cp 2": cp2}.items():
+        got = decay_gradient_errors(rule, grads, want)
+        assert got[0] <= 4 * floor[0] and got[1] <= 4 * floor[1], (where, got, floor)

@@ -296,7 +296,7 @@ def _clip_grad_norm_in_float64(parameters: Any, max_norm: float, norm_type: floa
     Everything else is torchtitan's: the DTensor reductions, the pipeline stages' sum, the clipping.
     """
     if ep_enabled:
-        raise ValueError("expert parallelism is refused by check_options")
+        raise ValueError("expert parallelism is refused under blockdiag-cp (check_options names it before the run)")
     parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads]

@@ -23,6 +23,25 @@ per chunk, from the incoming state ``S``:
 which equals the token loop exactly in exact arithmetic (the tests compare it with the
 token loop in float64). It computes in the input dtype (float32 for half precision).
 
+Note [Decays between tokens, summed between them]
+-------------------------------------------------
+Both kernels weigh token ``j``'s contribution to token ``i`` of a chunk by ``exp(c_i - c_j)``.
+Formed as a difference of the cumulative sums, it carries their rounding: ``|c| eps`` absolute,
+and ``|c|`` grows along the chunk (a log-decay of -20 per token is common: 64 tokens make
+-1280, so ``c_i - c_j`` is off by about 1e-4 in float32). Autograd then forms each ``g_m``'s
+gradient as ``+`` the terms with ``m <= i`` minus those with ``m <= j``: two sums that cancel
+to the terms where ``j < m <= i``, so that rounding comes back amplified: in float32 the
+gradients of the decay parameters (``A_log``, ``dt_bias``, Gated DeltaNet's ``a`` projection)
+were off by about 1e-4 relative from float64, on one rank and per document alike, and two
+runs that cut chunks at different places (CP pieces) differed by as much. So the exponent is
+summed over the tokens between (`_segment_sums`: ``sum g[j+1 .. i]``, one masked cumulative
+sum per chunk, ``C^2`` adds as the ``C^2`` exps already are), and ``c_last - c_j`` is its last
+row: rounding stays relative to the exponent itself, and each ``g_m``'s gradient is one sum of
+the terms that contain it. Those gradients are then within the token loop's own float32 error
+(`tests/distributed/test_mixer_recurrence.py`; a tiny Qwen3.5 in float32: about 5e-7 relative
+from float64 on one rank, at cp 2 and cp 3 alike; transformers' torch path, which forms the
+difference, stays about 1e-4 off).
+
 Note [The chunked state-space scan (Mamba2)]
 --------------------------------------------
 Token by token, per head with a scalar decay ``a_t = exp(dt_t A)`` and a state
@@ -74,22 +93,23 @@ def chunked_gated_delta_rule(
     g, beta = (torch.nn.functional.pad(x, (0, pad)) for x in (g, beta))
     n = (T + pad) // chunk
     q, k, v = (x.reshape(B, Hv, n, chunk, -1) for x in (q, k, v))
-    c = g.reshape(B, Hv, n, chunk).cumsum(-1)
+    g = g.reshape(B, Hv, n, chunk)
+    c, between = g.cumsum(-1), _segment_sums(g)
     beta = beta.reshape(B, Hv, n, chunk, 1)
-    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    decay = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()  # exp(c_i - c_j), i >= j
+    decay = between.exp()  # exp(c_i - c_j), i >= j (Note [Decays between tokens, summed between them])
     system = ((beta * k) @ k.transpose(-1, -2) * decay).tril(-1)  # A, strictly lower
     eye = torch.eye(chunk, dtype=dtype, device=q.device)
     u = torch.linalg.solve_triangular(eye + system, beta * v, upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(eye + system, beta * k * c.exp().unsqueeze(-1), upper=False, unitriangular=True)
     state = q.new_zeros((B, Hv, k.shape[-1], dv)) if initial_state is None else initial_state.to(dtype)
     outputs = []
-    for qi, ki, ci, ui, wi, di in zip(*(t.unbind(2) for t in (q, k, c, u, w, decay))):  # unbind: a linear backward
+    to_end = between[..., -1, :]  # c_last - c_j
+    for qi, ki, ci, ui, wi, di, ei in zip(*(t.unbind(2) for t in (q, k, c, u, w, decay, to_end))):  # unbind: a linear backward
         v_new = ui - wi @ state
         attn = (qi @ ki.transpose(-1, -2)) * di
         outputs.append((qi * ci.exp().unsqueeze(-1)) @ state + attn @ v_new)
         last = ci[..., -1:]
-        state = state * last.exp().unsqueeze(-1) + (ki * (last - ci).exp().unsqueeze(-1)).transpose(-1, -2) @ v_new
+        state = state * last.exp().unsqueeze(-1) + (ki * ei.exp().unsqueeze(-1)).transpose(-1, -2) @ v_new
     o = torch.stack(outputs, dim=2).reshape(B, Hv, n * chunk, dv)[:, :, :T]
     return o.transpose(1, 2).to(out_dtype), state
 
@@ -125,19 +145,30 @@ def chunked_ssd(
     a = torch.nn.functional.pad(a, (0, pad))
     n = (T + pad) // chunk
     xdt, B, C = (t.reshape(Bt, H, n, chunk, -1) for t in (xdt, B, C))
-    c = a.reshape(Bt, H, n, chunk).cumsum(-1)
-    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
-    decay = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()  # exp(c_i - c_j), i >= j
+    a = a.reshape(Bt, H, n, chunk)
+    c, between = a.cumsum(-1), _segment_sums(a)
+    decay = between.exp()  # exp(c_i - c_j), i >= j (Note [Decays between tokens, summed between them])
     inside = ((C @ B.transpose(-1, -2)) * decay) @ xdt  # [Bt, H, n, chunk, P]
     state = x.new_zeros((Bt, H, P, B.shape[-1])) if initial_state is None else initial_state.to(dtype)
     outputs = []
-    for ci, inside_i, Ci, xdt_i, Bi in zip(*(t.unbind(2) for t in (c, inside, C, xdt, B))):  # unbind: a linear backward
+    to_end = between[..., -1, :]  # c_last - c_j
+    for ci, inside_i, Ci, xdt_i, Bi, ei in zip(*(t.unbind(2) for t in (c, inside, C, xdt, B, to_end))):  # unbind: a linear backward
         outputs.append(inside_i + ci.exp().unsqueeze(-1) * (Ci @ state.transpose(-1, -2)))
         last = ci[..., -1:]
-        carried = (xdt_i * (last - ci).exp().unsqueeze(-1)).transpose(-1, -2) @ Bi
+        carried = (xdt_i * ei.exp().unsqueeze(-1)).transpose(-1, -2) @ Bi
         state = state * last.exp().unsqueeze(-1) + carried
     y = torch.stack(outputs, dim=2).reshape(Bt, H, n * chunk, P)[:, :, :T]
     return y.transpose(1, 2).to(out_dtype), state
+
+
+def _segment_sums(g: torch.Tensor) -> torch.Tensor:
+    """``[..., C, C]``: ``sum g[j+1 .. i]`` at ``(i, j)`` for ``i >= j``, ``-inf`` above the diagonal
+    (``g [..., C]``; Note [Decays between tokens, summed between them])."""
+    C = g.shape[-1]
+    lower = torch.ones(C, C, dtype=torch.bool, device=g.device).tril()
+    # [..., m, j] = g_m where m > j, else 0; summed over m up to i
+    sums = g.unsqueeze(-1).expand(*g.shape, C).masked_fill(lower.T, 0).cumsum(-2)
+    return sums.masked_fill(~lower, float("-inf"))
 
 
 def _chunk_for(T: int, chunk: int) -> int:

@@ -39,7 +39,7 @@ def plan_shards(
             ``ranks_per_node`` (None: one node), ``token_cap`` (a rank's tokens at most this times the mean)
             and ``costs`` (the step's cost model; None: `StepCosts()`). None: ``PlanOptions()``.
         moved: the keywords of 0.10 (``window``, ``ranks_per_node``, ``token_cap``, ``costs``): deprecated, they
-            keep working until 0.13 (Note [One spelling per knob] in config.py).
+            keep working until 0.14 (Note [One spelling per knob] in config.py).
 
     Returns:
         The `ShardPlan`; `make_cp_blockdiag_batch_and_ctx` with the same layout
