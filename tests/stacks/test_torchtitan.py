@@ -160,7 +160,8 @@ def test_dp_shard2_cp2_trains_and_validates_as_dp_shard2(dp_runs):
     """FSDP over dp x cp (4 ranks) against torchtitan's dp_shard 2 (2 ranks): a varlen window, several rows per
     micro-batch, gradient accumulation, no activation checkpointing, and the validator's eval losses."""
     dp2, dp2cp2 = dp_runs["dp2"], dp_runs["dp2cp2"]
-    assert dp2cp2["mesh"] == {"batch": 4, "fsdp": 4, "tp": 1} and dp2["mesh"] == {"batch": 2, "fsdp": 2, "tp": 1}
+    assert dp2cp2["mesh"] == {"batch": 4, "fsdp": 4, "tp": 1, "pp": 1}
+    assert dp2["mesh"] == {"batch": 2, "fsdp": 2, "tp": 1, "pp": 1}
     assert_trains_alike(dp2cp2, dp2, 4)
     assert_same_probe(dp2cp2, dp2)
     assert dp2["probe"]["doc_ids"].numel() == 2 * SEQ_LEN  # two rows laid end to end
@@ -189,7 +190,8 @@ def test_tp2_cp2_trains_as_tp2(tp_runs):
     """torchtitan's own TP (its parallelize of qwen3: fused QKV, QK norm, GQA, tied embeddings) x cp 2 against tp 2,
     full activation checkpointing."""
     tp2, tp2cp2 = tp_runs["tp2"], tp_runs["tp2cp2"]
-    assert tp2cp2["mesh"] == {"batch": 2, "fsdp": 2, "tp": 2} and tp2["mesh"] == {"batch": 1, "fsdp": 1, "tp": 2}
+    assert tp2cp2["mesh"] == {"batch": 2, "fsdp": 2, "tp": 2, "pp": 1}
+    assert tp2["mesh"] == {"batch": 1, "fsdp": 1, "tp": 2, "pp": 1}
     assert_trains_alike(tp2cp2, tp2, STEPS)
     assert_same_probe(tp2cp2, tp2)
 
@@ -200,7 +202,8 @@ def test_a_moe_model_trains_under_tp2_cp2_as_tp2(moe_runs):
     the tokens each expert got per step (the CP run's padding not counted) and the expert biases torchtitan's load
     balancing moved are the run's without CP."""
     tp2, tp2cp2 = moe_runs["tp2"], moe_runs["tp2cp2"]
-    assert tp2cp2["mesh"] == {"batch": 2, "fsdp": 2, "tp": 2} and tp2["mesh"] == {"batch": 1, "fsdp": 1, "tp": 2}
+    assert tp2cp2["mesh"] == {"batch": 2, "fsdp": 2, "tp": 2, "pp": 1}
+    assert tp2["mesh"] == {"batch": 1, "fsdp": 1, "tp": 2, "pp": 1}
     assert_trains_alike(tp2cp2, tp2, STEPS)
     assert_same_probe(tp2cp2, tp2)
     assert len(tp2["expert_loads"]) == STEPS and len(tp2cp2["expert_loads"]) == STEPS
