@@ -122,7 +122,6 @@ ZERO3 = {"zero_optimization": {"stage": 3}}
     ({**ZERO3, "tensor_parallel": {"autotp_size": 2}}, "tensor_parallel="),
     ({**ZERO3, "communication_data_type": "bf16"}, "communication_data_type='bf16'"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "offload_param="),
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer="),
     ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "zero_quantized_weights=True"),
     ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, "zero_hpz_partition_size=2"),
     ({**ZERO3, "curriculum_learning": {"enabled": True}}, "curriculum_learning="),
@@ -139,7 +138,7 @@ def test_deepspeed_configs_verified_pass(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text('{"zero_optimization": {"stage": 2}, "bf16": {"enabled": true}}')
     for config in ({"zero_optimization": {"stage": 1}}, {**ZERO3, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}},
-                   {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}, "sequence_parallel_size": 1,
+                   {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "sequence_parallel_size": 1,
                     "communication_data_type": "fp32", "fp16": {"enabled": False}, "fp8": {"enabled": False},
                     "sequence_parallel": {"enabled": False}}, str(path)):
         args = transformers.TrainingArguments(output_dir="/tmp/blockdiag_cp_options", use_cpu=True)
@@ -149,7 +148,7 @@ def test_deepspeed_configs_verified_pass(tmp_path):
 @pytest.mark.parametrize("config, named", [
     ({"fsdp_version": 1}, "fsdp_config['version']=1"),
     ({"version": 2, "cpu_offload": True}, "fsdp_config['cpu_offload']=True"),
-    ({"fsdp_version": 2, "activation_checkpointing": True}, "fsdp_config['activation_checkpointing']=True"),
+    ({"fsdp_version": 2, "offload_params": True}, "fsdp_config['offload_params']=True"),
     ({"state_dict_type": "LOCAL_STATE_DICT"}, "fsdp_config['state_dict_type']"),
     ({"fsdp_version": 2, "something_new": 1}, "fsdp_config['something_new'] is not verified"),
 ])
@@ -159,7 +158,8 @@ def test_fsdp_configs_not_verified_are_named(config, named):
     (found,) = options.refusals(args, "rows")
     assert found.startswith("fsdp_config=") and named in found, found
     ok = {"fsdp_version": 2, "reshard_after_forward": False, "state_dict_type": "SHARDED_STATE_DICT",
-          "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+          "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "activation_checkpointing": True,
+          "offload_params": False}  # the last two verified through axolotl (tests/stacks/test_axolotl.py)
     assert options.refusals(set_args(args, fsdp_config=ok), "rows") == []
 
 

@@ -22,7 +22,6 @@ _DEEPSPEED_UNVERIFIED = types.MappingProxyType({
     "fp8": "FP8 training (LLaMA-Factory's ds_z3_fp8_config): use bf16",
     "tensor_parallel": "DeepSpeed's tensor parallelism (AutoTP)",
     "communication_data_type": "reductions in another dtype than the gradients'",
-    "offload_optimizer": "ZeRO-Offload of the optimizer",
     "offload_param": "ZeRO-Offload of the parameters",
     "zero_quantized_weights": "ZeRO++ quantized weights",
     "zero_quantized_gradients": "ZeRO++ quantized gradients",
@@ -38,7 +37,8 @@ def deepspeed_problem(config: Any) -> str:
     """What in a ``deepspeed=`` value (a config dict or a JSON file's path) is not verified under CP, or ``""``.
 
     Verified (`ZERO_TESTS`): ZeRO stages 1, 2 and 3 with fp32 or bf16 weights, gradient accumulation, gradient
-    clipping, DeepSpeed's or the Trainer's optimizer and schedule. Set to anything but off, each key of
+    clipping, DeepSpeed's or the Trainer's optimizer and schedule; ZeRO-2 with the optimizer offloaded to the CPU
+    (``offload_optimizer``: tests/stacks/test_axolotl.py). Set to anything but off, each key of
     `_DEEPSPEED_UNVERIFIED` is named."""
     if config is None or config == "":
         return ""  # no DeepSpeed
@@ -86,7 +86,8 @@ _FSDP_VERIFIED = types.MappingProxyType({
     "xla": lambda v: str(v).lower() == "false",
     "xla_fsdp_v2": lambda v: str(v).lower() == "false",
     "xla_fsdp_grad_ckpt": lambda v: str(v).lower() == "false",
-    "activation_checkpointing": lambda v: str(v).lower() == "false",
+    # accelerate's checkpoint wrapper re-runs each layer (its CP attention too) in backward (tests/stacks/test_axolotl.py)
+    "activation_checkpointing": lambda v: True,
     "reshard_after_forward": lambda v: True,
     "state_dict_type": lambda v: str(v).upper().split(".")[-1] in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"),
     "auto_wrap_policy": lambda v: True,  # where fully_shard cuts the model: not what it computes
@@ -94,6 +95,13 @@ _FSDP_VERIFIED = types.MappingProxyType({
     "min_num_params": lambda v: True,
     "cpu_ram_efficient_loading": lambda v: True,
     "sync_module_states": lambda v: True,
+    # axolotl's spellings (its fsdp_config reaches the Trainer as written): offload_params is its cpu_offload; FSDP2
+    # keeps the original parameters whatever use_orig_params says; pinned memory serves offloading only; the final
+    # state dict's type is how axolotl saves the model after training
+    "offload_params": lambda v: str(v).lower() in ("false", "none"),
+    "use_orig_params": lambda v: True,
+    "cpu_offload_pin_memory": lambda v: True,
+    "final_state_dict_type": lambda v: True,
 })
 
 
@@ -101,8 +109,8 @@ def fsdp_config_problem(config: Any) -> str:
     """What in ``fsdp_config`` (as transformers normalizes it) is not verified under CP, or ``""``.
 
     Verified (`FSDP2_TESTS`): accelerate's FSDP2 (``version`` 2, the default), resharding after forward or not,
-    full and sharded state dicts, any wrap policy; refused: FSDP1, CPU offload, XLA, FSDP's own activation
-    checkpointing (use the Trainer's ``gradient_checkpointing``), keys this table does not know."""
+    full and sharded state dicts, any wrap policy, FSDP's own activation checkpointing (tests/stacks/test_axolotl.py);
+    refused: FSDP1, CPU offload, XLA, keys this table does not know."""
     if not config:
         return ""
     if not isinstance(config, dict):
