@@ -209,6 +209,32 @@ def refusals_worker(rank, world):
     except ModelRefusal as exc:  # and the steps, which no schedule action ran, end unreached
         found["never_reached"] = str(exc)
     found["in_flight_after"] = STEP_SLOT.in_flight()
+    found.update(several_rows_refusals(cp, schedule, modules, rows))
+    return found
+
+
+def several_rows_refusals(cp, schedule, modules, rows):
+    """Micro-batches of two rows, at pp 2: given to the first stage alone (the other stage would wait for its
+    activations), and as every stage's positions: every rank raises, before any stage work."""
+    from blockdiag_cp import make_cp_pipeline_batch_and_ctx
+    from blockdiag_cp.step.slot import STEP_SLOT
+
+    first, last = modules[0].embed is not None, modules[-1].head is not None
+
+    def schedule_step(input_ids, position_ids):
+        steps, batch = make_cp_pipeline_batch_and_ctx(cp, None, rows)
+        with steps(schedule):
+            schedule.step(*((input_ids(batch),) if first else ()), position_ids=position_ids(batch),
+                          loss_kwargs={"tokens": torch.tensor(1)},
+                          **(dict(target=batch["shift_labels"], losses=[]) if last else {}))
+
+    def two(t):
+        return torch.cat([t, t])
+
+    found = {"first_stage_rows": refusal(schedule_step, lambda b: two(b["input_ids"]), lambda b: b["position_ids"]),
+             "every_stage_rows": refusal(schedule_step, lambda b: b["input_ids"], lambda b: two(b["position_ids"]))}
+    found["in_flight_after_rows"] = STEP_SLOT.in_flight()
+    found["first"] = first
     return found
 
 
@@ -223,34 +249,11 @@ def test_what_cannot_be_exact_is_refused_by_name_on_every_rank(rank_pools):
         assert "outside the turns of the steps in flight" in found["outside"], found
         assert "ended without the model calling" in found["never_reached"], found
         assert found["in_flight_after"] is False
-
-
-def one_stage_worker(rank, world):
-    """Every rank its own one-stage pipeline (pp 1) over a CP group of 2: a micro-batch of two rows is refused
-    by the stage that receives it, before its forward."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from blockdiag_cp import make_cp_pipeline_batch_and_ctx
-    from blockdiag_cp.loss import add_shift_labels
-    from blockdiag_cp.tools.demo import make_model
-
-    ex, M = recipe(), 2
-    mesh = init_device_mesh("cpu", (world // 2, 1, 2), mesh_dim_names=("dp", "pp", "cp"))
-    rows = [add_shift_labels({"input_ids": r.input_ids, "position_ids": r.position_ids})
-            for r in ex.replica_rows(0, 1, M, 32)]
-    schedule, _ = ex.build_schedule(make_model("blockdiag_cp", torch.float64), "GPipe", mesh["pp"],
-                                    torch.device("cpu"), M)
-    steps, batch = make_cp_pipeline_batch_and_ctx(mesh["cp"], None, rows)
-    doubled = {k: torch.cat([v, v]) for k, v in batch.items() if isinstance(v, torch.Tensor)}
-    tokens = torch.tensor(1)
-    with pytest.raises(ValueError, match="each micro-batch must be one packed row") as raised:
-        with steps(schedule):
-            schedule.step(doubled["input_ids"], position_ids=doubled["position_ids"], target=doubled["shift_labels"],
-                          losses=[], loss_kwargs={"tokens": tokens})
-    return str(raised.value)
-
-
-@pytest.mark.slow
-def test_a_micro_batch_of_several_rows_is_refused(rank_pools):
-    for message in rank_pools(2).run(one_stage_worker):
-        assert "[(2, 16), (2, 16)]" in message, message  # the first stage's token ids and the positions
+        # micro-batches of two rows (each [2, 32]): the first stage's inputs refused on every rank of the pipeline
+        if found["first"]:
+            assert "micro-batch 0 of stage(s) [0] is shaped [(2, 32)]" in found["first_stage_rows"], found
+            assert "each micro-batch must be one packed row of this rank's 32 positions" in found["first_stage_rows"]
+        else:
+            assert "pipeline rank(s) [0] rejected their micro-batch inputs" in found["first_stage_rows"], found
+        assert "micro-batch 0 of stage(s) [" in found["every_stage_rows"] and "[(2, 32)]" in found["every_stage_rows"]
+        assert found["in_flight_after_rows"] is False

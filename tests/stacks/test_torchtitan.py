@@ -29,8 +29,6 @@ import copy
 import dataclasses
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -50,7 +48,8 @@ from torchtitan.models.llama3.config_registry import llama3_debugmodel  # noqa: 
 from torchtitan.models.qwen3.config_registry import qwen3_debugmodel  # noqa: E402
 from torchtitan.protocols.module import Module  # noqa: E402
 
-from torchtitan_assets import config_module, documents, write_assets, write_dataset, write_tokenizer  # noqa: E402
+from torchtitan_assets import assert_trains_alike, documents, write_assets, write_dataset, write_tokenizer  # noqa: E402
+from torchtitan_assets import launch as launch_torchtitan  # noqa: E402
 
 from blockdiag_cp.integrations.torchtitan import (  # noqa: E402
     BlockDiagCPAttention,
@@ -66,7 +65,6 @@ from blockdiag_cp.integrations.torchtitan_attention import (  # noqa: E402
     sliding_window_of,
 )
 
-HERE = pathlib.Path(__file__).resolve().parent
 SEQ_LEN = 192
 STEPS = 3
 
@@ -79,19 +77,8 @@ def assets(tmp_path_factory):
 
 
 def launch(root: pathlib.Path, name: str, world: int, config_fn: str, *overrides: str, probe: bool = True) -> dict:
-    """One torchtitan run under torchrun; returns what torchtitan_run.py recorded."""
-    cfg_dir = root / f"cfg_{name}"
-    cfg_dir.mkdir()
-    (cfg_dir / "tt_tiny_config.py").write_text(config_module(root, seq_len=SEQ_LEN, steps=STEPS, dump=root / f"out_{name}"))
-    out = root / f"{name}.pt"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(cfg_dir), *sys.path]), "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(root / "hf_cache")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           str(HERE / "torchtitan_run.py"), str(out), str(root / "data_perturbed") if probe else "-",
-           "--module", "tt_tiny_config", "--config", config_fn, *overrides]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-8000:]
-    return torch.load(out, weights_only=False)
+    """One torchtitan run under torchrun (rows of `SEQ_LEN`, `STEPS` steps); returns what torchtitan_run.py recorded."""
+    return launch_torchtitan(root, name, world, config_fn, *overrides, seq_len=SEQ_LEN, steps=STEPS, probe=probe)
 
 
 CP2 = ("--blockdiag_cp.cp_degree", "2")
@@ -137,26 +124,6 @@ def moe_runs(assets):
             "tp2cp2": launch(assets, "moe_tp2cp2", 4, "tiny_deepseek_v3", *TP2, *CP2, *rows)}
 
 
-def assert_trains_alike(ours: dict, ref: dict, steps: int) -> None:
-    """Per-step losses, gradient norms and final parameters of two runs of the same config (float32)."""
-    assert ours["steps"] == ref["steps"] and len(ref["steps"]) == steps
-    assert ours["tokens_seen"] == ref["tokens_seen"]  # torchtitan's n_tokens_seen: each token once
-    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
-    # the logged norms, and each the gradients' own (float64, whole): torch's float32 CPU norm of each rank's
-    # shards is off by ~1e-5 by an amount that moves with the sharding (Note [Gradient norms on CPU])
-    torch.testing.assert_close(torch.tensor(ours["grad_norms"], dtype=torch.float64),
-                               torch.tensor(ref["grad_norms"], dtype=torch.float64), rtol=1e-6, atol=0)
-    for run in (ours, ref):
-        torch.testing.assert_close(torch.tensor(run["grad_norms"], dtype=torch.float64),
-                                   torch.tensor(run["exact_grad_norms"], dtype=torch.float64), rtol=1e-6, atol=0)
-    assert ref["params"].keys() == ours["params"].keys()
-    # float32 Adam: an element whose gradient is ~0 moves by up to lr x (a float32 rounding's sign), so a few
-    # elements in 10^5 differ by ~1e-5 after 3 steps; any real difference moves every element by ~lr
-    for name, p_ref in ref["params"].items():
-        delta = ours["params"][name] - p_ref
-        assert delta.abs().max() < 1e-4 and delta.norm() < 1e-5 * p_ref.norm(), (name, delta.abs().max())
-
-
 def assert_same_probe(ours: dict, ref: dict) -> None:
     """The first micro-batch's per-token losses at the initial weights: the CP group read the reference's rows."""
     assert torch.equal(ref["probe"]["inputs"], ours["probe"]["inputs"])
@@ -193,7 +160,8 @@ def test_dp_shard2_cp2_trains_and_validates_as_dp_shard2(dp_runs):
     """FSDP over dp x cp (4 ranks) against torchtitan's dp_shard 2 (2 ranks): a varlen window, several rows per
     micro-batch, gradient accumulation, no activation checkpointing, and the validator's eval losses."""
     dp2, dp2cp2 = dp_runs["dp2"], dp_runs["dp2cp2"]
-    assert dp2cp2["mesh"] == {"batch": 4, "fsdp": 4, "tp": 1} and dp2["mesh"] == {"batch": 2, "fsdp": 2, "tp": 1}
+    assert dp2cp2["mesh"] == {"batch": 4, "fsdp": 4, "tp": 1, "pp": 1}
+    assert dp2["mesh"] == {"batch": 2, "fsdp": 2, "tp": 1, "pp": 1}
     assert_trains_alike(dp2cp2, dp2, 4)
     assert_same_probe(dp2cp2, dp2)
     assert dp2["probe"]["doc_ids"].numel() == 2 * SEQ_LEN  # two rows laid end to end
@@ -222,7 +190,8 @@ def test_tp2_cp2_trains_as_tp2(tp_runs):
     """torchtitan's own TP (its parallelize of qwen3: fused QKV, QK norm, GQA, tied embeddings) x cp 2 against tp 2,
     full activation checkpointing."""
     tp2, tp2cp2 = tp_runs["tp2"], tp_runs["tp2cp2"]
-    assert tp2cp2["mesh"] == {"batch": 2, "fsdp": 2, "tp": 2} and tp2["mesh"] == {"batch": 1, "fsdp": 1, "tp": 2}
+    assert tp2cp2["mesh"] == {"batch": 2, "fsdp": 2, "tp": 2, "pp": 1}
+    assert tp2["mesh"] == {"batch": 1, "fsdp": 1, "tp": 2, "pp": 1}
     assert_trains_alike(tp2cp2, tp2, STEPS)
     assert_same_probe(tp2cp2, tp2)
 
@@ -233,7 +202,8 @@ def test_a_moe_model_trains_under_tp2_cp2_as_tp2(moe_runs):
     the tokens each expert got per step (the CP run's padding not counted) and the expert biases torchtitan's load
     balancing moved are the run's without CP."""
     tp2, tp2cp2 = moe_runs["tp2"], moe_runs["tp2cp2"]
-    assert tp2cp2["mesh"] == {"batch": 2, "fsdp": 2, "tp": 2} and tp2["mesh"] == {"batch": 1, "fsdp": 1, "tp": 2}
+    assert tp2cp2["mesh"] == {"batch": 2, "fsdp": 2, "tp": 2, "pp": 1}
+    assert tp2["mesh"] == {"batch": 1, "fsdp": 1, "tp": 2, "pp": 1}
     assert_trains_alike(tp2cp2, tp2, STEPS)
     assert_same_probe(tp2cp2, tp2)
     assert len(tp2["expert_loads"]) == STEPS and len(tp2cp2["expert_loads"]) == STEPS
@@ -325,7 +295,6 @@ def test_the_routed_attention_refuses_to_run_outside_a_step_or_drop_an_argument(
 
 @pytest.mark.parametrize("path, value", [
     ("parallelism.context_parallel_degree", 2),
-    ("parallelism.pipeline_parallel_degree", 2),
     ("parallelism.expert_parallel_degree", 2),
     ("parallelism.spmd_backend", "spmd_types"),
 ])
@@ -338,17 +307,6 @@ def test_options_that_would_differ_are_refused_by_name(path, value):
     setattr(getattr(config, section), name, value)
     with pytest.raises(ValueError, match=path.replace(".", r"\.")):
         check_options(config)
-
-
-def test_pipeline_parallelism_is_refused_before_anything_is_built():
-    """The refusal comes from the trainer's first line, before torchtitan initializes a process group."""
-    from blockdiag_cp.integrations.torchtitan import BlockDiagCPTrainer
-
-    config = blockdiag_config(llama3_debugmodel(), cp_degree=2)
-    config.parallelism.pipeline_parallel_degree = 2
-    with pytest.raises(ValueError, match=r"pipeline_parallel_degree=2 is refused"):
-        BlockDiagCPTrainer(config)
-    assert not torch.distributed.is_initialized()
 
 
 # --- attention configs: each field honoured or refused (issue #52) -------------------------------------------------

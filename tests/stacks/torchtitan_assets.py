@@ -1,9 +1,13 @@
-"""The tiny local assets of the torchtitan runs (tests/stacks/test_torchtitan.py, benchmarks/gpu_torchtitan.py):
-a word-level tokenizer, a jsonl dataset of random-word documents, and a torchtitan config_registry module."""
+"""The tiny local assets of the torchtitan runs (tests/stacks/test_torchtitan*.py, benchmarks/gpu_torchtitan.py):
+a word-level tokenizer, a jsonl dataset of random-word documents, a torchtitan config_registry module, and the
+launcher the test files share (`launch`: torchtitan's training under torchrun, tests/stacks/torchtitan_run.py)."""
 
 import json
+import os
 import pathlib
 import random
+import subprocess
+import sys
 
 WORDS = [f"w{i}" for i in range(200)]
 CONFIG_MODULE = '''\
@@ -77,6 +81,54 @@ def tiny_deepseek_v3():
     return tiny(blockdiag_config(deepseek_v3_debugmodel(), cp_degree=1))
 
 
+def pipelined(config, schedule, microbatches, rows=1):
+    """torchtitan's pipeline over 2 ranks: `microbatches` of `rows` rows each per step (a row per micro-batch
+    by default), full activation checkpointing (torchtitan's selective AC cannot run a zero-bubble schedule)."""
+    config.parallelism.pipeline_parallel_degree = 2
+    config.parallelism.pipeline_parallel_schedule = schedule
+    config.parallelism.pipeline_parallel_microbatch_size = rows
+    config.training.local_batch_size = microbatches * rows
+    config.training.disable_cuda_graphs = True  # torchtitan refuses CUDA graphs with a pipeline
+    config.activation_checkpoint = FullAC.Config()
+    return config
+
+
+def accumulated(config, microbatches, rows=1):
+    """The same rows per step without a pipeline: `microbatches` micro-batches of `rows` rows (accumulation)."""
+    config.training.local_batch_size = rows
+    config.training.global_batch_size = microbatches * rows
+    config.activation_checkpoint = FullAC.Config()
+    return config
+
+
+def tiny_llama3_1f1b():
+    """llama3, torchtitan's 1F1B over 2 stages, 4 micro-batches of 2 rows."""
+    return pipelined(tiny_llama3(), "1F1B", 4, rows=2)
+
+
+def tiny_llama3_accumulated():
+    """llama3 without a pipeline: the same 8 rows per step, 4 micro-batches of 2 rows."""
+    return accumulated(tiny_llama3(), 4, rows=2)
+
+
+def unchunked(config):
+    """torchtitan's cross-entropy on the whole shard instead of its ChunkedLossWrapper (whose backward inside the
+    loss moves the final norm's gradient under a zero-bubble schedule, with or without CP)."""
+    config.loss = config.loss.loss_fn
+    return config
+
+
+def tiny_deepseek_v3_zero_bubble():
+    """deepseek_v3 (MLA, MoE), torchtitan's InterleavedZeroBubble (4 virtual stages over 2 ranks: embeddings, the
+    dense layer, the MoE layer, norm and head), 4 micro-batches of a row."""
+    return unchunked(pipelined(tiny_deepseek_v3(), "InterleavedZeroBubble", 4))
+
+
+def tiny_deepseek_v3_accumulated():
+    """deepseek_v3 without a pipeline: the same 4 rows per step by accumulation."""
+    return unchunked(accumulated(tiny_deepseek_v3(), 4))
+
+
 def tiny_qwen3_full_ac():
     """torchtitan's qwen3 debugmodel (fused QKV, QK norm, GQA, tied embeddings), full activation checkpointing."""
     config = tiny(blockdiag_config(qwen3_debugmodel(), cp_degree=1))
@@ -122,3 +174,47 @@ def write_assets(root: pathlib.Path) -> None:
     write_tokenizer(root / "tok")
     write_dataset(root / "data", documents())
     write_dataset(root / "data_perturbed", documents(perturb_first=True))
+
+
+def launch(root: pathlib.Path, name: str, world: int, config_fn: str, *overrides: str, seq_len: int, steps: int,
+           probe: bool = True, timeout: float = 400) -> dict:
+    """One torchtitan run under torchrun on CPU gloo (tests/stacks/torchtitan_run.py, `config_fn` of the config
+    module written for the assets under `root`, torchtitan's CLI `overrides`); returns what the runner recorded.
+    `probe`: the leak probe on ``root/data_perturbed`` (not under a pipeline)."""
+    import torch
+
+    cfg_dir = root / f"cfg_{name}"
+    cfg_dir.mkdir()
+    (cfg_dir / "tt_tiny_config.py").write_text(config_module(root, seq_len=seq_len, steps=steps, dump=root / f"out_{name}"))
+    out = root / f"{name}.pt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(cfg_dir), *sys.path]), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(root / "hf_cache")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           str(pathlib.Path(__file__).resolve().parent / "torchtitan_run.py"), str(out),
+           str(root / "data_perturbed") if probe else "-", "--module", "tt_tiny_config", "--config", config_fn,
+           *overrides]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-8000:]
+    return torch.load(out, weights_only=False)
+
+
+def assert_trains_alike(ours: dict, ref: dict, steps: int) -> None:
+    """Per-step losses, gradient norms and final parameters of two runs of the same config (float32)."""
+    import torch
+
+    assert ours["steps"] == ref["steps"] and len(ref["steps"]) == steps
+    assert ours["tokens_seen"] == ref["tokens_seen"]  # torchtitan's n_tokens_seen: each token once
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+    # the logged norms, and each the gradients' own (float64, whole): torch's float32 CPU norm of each rank's
+    # shards is off by ~1e-5 by an amount that moves with the sharding (Note [Gradient norms on CPU])
+    torch.testing.assert_close(torch.tensor(ours["grad_norms"], dtype=torch.float64),
+                               torch.tensor(ref["grad_norms"], dtype=torch.float64), rtol=1e-6, atol=0)
+    for run in (ours, ref):
+        torch.testing.assert_close(torch.tensor(run["grad_norms"], dtype=torch.float64),
+                                   torch.tensor(run["exact_grad_norms"], dtype=torch.float64), rtol=1e-6, atol=0)
+    assert ref["params"].keys() == ours["params"].keys()
+    # float32 Adam: an element whose gradient is ~0 moves by up to lr x (a float32 rounding's sign), so a few
+    # elements in 10^5 differ by ~1e-5 after 3 steps; any real difference moves every element by ~lr
+    for name, p_ref in ref["params"].items():
+        delta = ours["params"][name] - p_ref
+        assert delta.abs().max() < 1e-4 and delta.norm() < 1e-5 * p_ref.norm(), (name, delta.abs().max())

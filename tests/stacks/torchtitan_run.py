@@ -11,8 +11,8 @@ micro-batch at the initial weights, of the run's dataset and of PROBE_DATA (the 
 fresh copy of the trainer's own dataloader, sharded by the trainer's own ``post_dataloading_process``, the model
 run in its step, the shard's losses gathered to the row), each step's expert loads of a MoE model (the tokens
 routed to each expert, summed over the data ranks) and the final parameters and expert biases, gathered whole.
-Rank 0 saves
-them.
+Under torchtitan's pipeline (no probe: its stages are on other ranks) each rank records its stages' parameters,
+expert loads and biases, and the losses come from a rank holding the last stage. Rank 0 merges and saves them.
 
 The initial weights are set here, the same full tensors at every world size (`same_initial_weights`): on CPU,
 DTensor's random initialization is not single-device consistent (each rank draws its shard from the same local
@@ -83,7 +83,8 @@ def probe_row_nll(trainer, data_path: str) -> dict:
 
 
 def record_exact_grad_norms(record: dict) -> None:
-    """Record each step's gradient norm computed in float64 from the whole gradients, before torchtitan clips.
+    """Record each step's gradient norm computed in float64 from the whole gradients (every pipeline stage's),
+    before torchtitan clips.
 
     The test checks the logged norm against it: torch's float32 norm of each rank's shards is off by ~1e-5 on
     CPU, by an amount that depends on how the gradients are sharded (Note [Gradient norms on CPU]).
@@ -94,9 +95,11 @@ def record_exact_grad_norms(record: dict) -> None:
 
     def clip_recording(parameters, *args, **kwargs):
         parameters = list(parameters)
-        squares = sum(float((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).double().pow(2).sum())
-                      for p in parameters if p.grad is not None)
-        record["exact_grad_norms"].append(squares ** 0.5)
+        squares = torch.tensor(sum(float((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).double()
+                                         .pow(2).sum()) for p in parameters if p.grad is not None), dtype=torch.float64)
+        if kwargs.get("pp_mesh") is not None:  # this rank's stages: sum over the pipeline
+            dist.all_reduce(squares, group=kwargs["pp_mesh"].get_group())
+        record["exact_grad_norms"].append(float(squares) ** 0.5)
         return clip(parameters, *args, **kwargs)
 
     titan_dist.clip_grad_norm_ = clip_recording
@@ -108,17 +111,19 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def record_expert_loads(trainer, record: dict) -> None:
     """Record, before each optimizer step (before torchtitan's load-balancing hook reads and zeroes them), every MoE
-    layer's ``tokens_per_expert_E`` summed over the data ranks as torchtitan sums them: ``[layers, E]`` per step."""
-    moes = [m for m in trainer.model_parts[0].modules() if hasattr(m, "tokens_per_expert_E")]
+    layer's ``tokens_per_expert_E`` of this rank's stages, summed over the data ranks as torchtitan sums them:
+    ``{layer name: [E]}`` per step (`merged` stacks every stage's, by name)."""
+    moes = {name: m for part in trainer.model_parts for name, m in part.named_modules()
+            if hasattr(m, "tokens_per_expert_E")}
     if not moes:
         return
     dims, step = trainer.parallel_dims, trainer.optimizers.step
 
     def recording_step(*args, **kwargs):
-        loads = torch.stack([local(m.tokens_per_expert_E) for m in moes]).clone()
+        loads = torch.stack([local(m.tokens_per_expert_E) for m in moes.values()]).clone()
         if dims.dp_enabled:
             dist.all_reduce(loads, group=dims.get_mesh("batch").get_group())
-        record["expert_loads"].append(loads.cpu())
+        record["expert_loads"].append(dict(zip(moes, loads.cpu())))
         return step(*args, **kwargs)
 
     trainer.optimizers.step = recording_step
@@ -132,11 +137,28 @@ def forget_probe_expert_loads(model: torch.nn.Module) -> None:
                 local(module.tokens_per_expert_E).zero_()
 
 
+def whole(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+
+
+def merged(records: list[dict]) -> dict:
+    """Every rank's record as one: a last pipeline stage's logged values, every stage's parameters, expert loads
+    (``[layers, E]`` per step, layers by name) and biases."""
+    record = next(r for r in records if r["last_stage"])
+    for key in ("params", "expert_biases"):
+        record[key] = {name: t for r in records for name, t in r[key].items()}
+    loads = [{name: t for r in records if r["expert_loads"] for name, t in r["expert_loads"][i].items()}
+             for i in range(max(len(r["expert_loads"]) for r in records))]
+    record["expert_loads"] = [torch.stack([step[name] for name in sorted(step)]) for step in loads]
+    return record
+
+
 def main() -> None:
     out_path, probe_data, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
     config = ConfigManager().parse_args(argv)
     trainer = config.build()
-    same_initial_weights(trainer.model_parts[0])
+    for part in trainer.model_parts:
+        same_initial_weights(part)
     record = {"losses": [], "grad_norms": [], "exact_grad_norms": [], "tokens_seen": [], "steps": [], "eval_losses": {},
               "expert_loads": []}
     record_exact_grad_norms(record)
@@ -163,18 +185,20 @@ def main() -> None:
     trainer.metrics_processor.log_validation = recording_log_validation
     trainer.train()
     record["dynamo"] = {key: dict(value) for key, value in torch._dynamo.utils.counters.items()}
-    params = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
-              for name, p in trainer.model_parts[0].named_parameters()}
-    record["params"] = params
-    record["expert_biases"] = {name: (b.full_tensor() if isinstance(b, DTensor) else b).cpu()
-                               for name, b in trainer.model_parts[0].named_buffers() if name.endswith("expert_bias_E")}
+    parts = trainer.model_parts
+    record["params"] = {name: whole(p) for part in parts for name, p in part.named_parameters()}
+    record["expert_biases"] = {name: whole(b) for part in parts for name, b in part.named_buffers()
+                               if name.endswith("expert_bias_E")}
     record["world"] = dist.get_world_size()
     record["cp_degree"] = getattr(trainer, "cp_degree", None)
     dims = trainer.parallel_dims
     record["mesh"] = {"batch": dims.get_mesh("batch").size() if dims.dp_enabled else 1,
-                      "fsdp": dims.get_mesh("fsdp").size(), "tp": dims.tp}
+                      "fsdp": dims.get_mesh("fsdp").size(), "tp": dims.tp, "pp": dims.pp}
+    record["last_stage"] = not dims.pp_enabled or trainer.pp_has_last_stage
+    records = [None] * dist.get_world_size()
+    dist.all_gather_object(records, record)
     if dist.get_rank() == 0:
-        torch.save(record, out_path)
+        torch.save(merged(records), out_path)
     trainer.close()
     dist.barrier()
     dist.destroy_process_group()

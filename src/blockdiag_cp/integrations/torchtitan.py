@@ -42,10 +42,15 @@ Each piece goes in through one of torchtitan's own extension points:
   gradients (``gradient_divide_factor=1``). Every rank of a CP group counted its group's whole rows, so the
   trainer divides the count torchtitan summed over the data ranks by ``cp_degree``: the loss, its gradients
   and the logged loss are the token mean over the global batch, as in the run without CP.
+* the pipeline (``parallelism.pipeline_parallel_degree``): each micro-batch its own packed row and step, the
+  schedule's stage actions bound to them (`PipelinedRows`, Note [torchtitan's pipeline under CP] in
+  torchtitan_pp.py).
 
-Refused by name (`check_options`): torchtitan's own CP (``parallelism.context_parallel_degree``), pipeline and
-expert parallelism, the SPMD backends other than ``partial_dtensor``; a validator or checkpointer of another type
-than torchtitan's; attention configs it cannot route exactly (`route_attention`).
+Refused by name (`check_options`): torchtitan's own CP (``parallelism.context_parallel_degree``), expert
+parallelism, the SPMD backends other than ``partial_dtensor``; with a pipeline, its validator, TP, compile and
+checkpoints (`REFUSED_WITH_PIPELINE`: not verified), and torchtitan's chunked loss under a schedule that splits
+its backward (the final norm would get no gradient, with or without CP); a validator of another type than
+torchtitan's; attention configs it cannot route exactly (`route_attention`).
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ from torchtitan.trainer import Trainer
 from ..config import CPConfig
 from .torchtitan_attention import BlockDiagCPAttention, BlockDiagCPConverter, route_attention
 from .torchtitan_moe import balances_expert_load, route_experts, uncount_padding
+from .torchtitan_pp import REFUSED_WITH_PIPELINE, PipelinedRows, refuse_chunked_loss_under_split_backward
 from .torchtitan_rows import (
     BlockDiagCPValidator,
     CPGroupRows,
@@ -75,6 +81,7 @@ from .torchtitan_rows import (
     doc_ids_from_positions,
     local_multiple_of,
     row_padding,
+    rows_per_micro_batch,
 )
 
 logger = logging.getLogger(__name__)
@@ -115,9 +122,6 @@ _TITAN_DEFAULT_BACKEND = "spmd_types"
 _REFUSED = (
     ("parallelism.context_parallel_degree", 1,
      "torchtitan's own CP wraps the attention itself; set blockdiag_cp.cp_degree instead"),
-    ("parallelism.pipeline_parallel_degree", 1,
-     "a pipeline schedule under blockdiag-cp is not supported yet (the step of a micro-batch must stay open "
-     "across the schedule's stages); use FSDP/TP with blockdiag_cp.cp_degree"),
     ("parallelism.expert_parallel_degree", 1,
      "expert parallelism under blockdiag-cp is not verified (MoE layers run unsharded at 1)"),
     ("parallelism.spmd_backend", "partial_dtensor",
@@ -134,11 +138,13 @@ def check_options(config: "BlockDiagCPTrainer.Config") -> None:
     """
     if config.blockdiag_cp.cp_degree < 1:
         raise ValueError(f"blockdiag_cp.cp_degree must be >= 1, got {config.blockdiag_cp.cp_degree}")
-    for path, keep, why in _REFUSED:
+    pipelined = config.parallelism.pipeline_parallel_degree > 1
+    for path, keep, why in _REFUSED + (REFUSED_WITH_PIPELINE if pipelined else ()):
         section, name = path.split(".")
         value = getattr(getattr(config, section), name)
         if value != keep:
             raise ValueError(f"{path}={value!r} is refused by BlockDiagCPTrainer ({why}); set {path}={keep!r}")
+    refuse_chunked_loss_under_split_backward(config)
     _refuse_uncountable_padding(config)
     if config.validator.enable and type(config.validator) not in (Validator.Config, BlockDiagCPValidator.Config):
         raise ValueError(f"validator={type(config.validator).__qualname__} is refused by BlockDiagCPTrainer: only "
@@ -154,14 +160,14 @@ def _refuse_uncountable_padding(config: "BlockDiagCPTrainer.Config") -> None:
     if padding and compiled and config.model_spec is not None and balances_expert_load(config.model_spec.model):
         raise ValueError(
             f"compile.enable with a MoE model that balances its experts' load (load_balance_coeff) is refused by "
-            f"BlockDiagCPTrainer on rows it pads ({padding} padding tokens per micro-batch: local_batch_size x "
-            f"seq_len = {config.training.local_batch_size * config.training.seq_len} is not a multiple of cp_degree "
+            f"BlockDiagCPTrainer on rows it pads ({padding} padding tokens per micro-batch: its rows x seq_len = "
+            f"{rows_per_micro_batch(config) * config.training.seq_len} is not a multiple of cp_degree "
             f"x lcm(tensor_parallel_degree, the chunked loss's num_chunks)): the padding's routes must be taken out "
             f"of the experts' load counts, which the compiled blocks cannot do. Choose seq_len so that no padding is "
             f"needed, or compile.enable=False")
 
 
-class BlockDiagCPTrainer(Trainer):
+class BlockDiagCPTrainer(PipelinedRows, Trainer):
     """torchtitan's `Trainer` whose packed rows are sharded per document over ``blockdiag_cp.cp_degree`` ranks.
 
     See Note [The torchtitan way in]. Attributes: ``cp_groups`` (`CPGroups`: the CP group's mesh, one rank per
@@ -293,10 +299,9 @@ def _clip_grad_norm_in_float64(parameters: Any, max_norm: float, norm_type: floa
         raise ValueError("expert parallelism is refused under blockdiag-cp (check_options names it before the run)")
     parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return torch.tensor(0.0)
     norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads]
-    total_norm = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    # a stage without gradients still joins the pipeline's sum below (torch's get_total_norm: 0 for none)
+    total_norm = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros((), dtype=torch.float64)
     if isinstance(total_norm, DTensor):  # partial over the sharded mesh dims: reduce
         total_norm = total_norm.full_tensor()
     if pp_mesh is not None:
@@ -309,7 +314,7 @@ def _clip_grad_norm_in_float64(parameters: Any, max_norm: float, norm_type: floa
     if error_if_nonfinite and not torch.isfinite(total_norm):
         raise RuntimeError(f"The total norm of order {norm_type} of the gradients is non-finite, so it cannot be "
                            "clipped (error_if_nonfinite=True)")
-    total_norm = total_norm.to(grads[0].dtype)
+    total_norm = total_norm.to(grads[0].dtype if grads else torch.get_default_dtype())
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
     return total_norm
 

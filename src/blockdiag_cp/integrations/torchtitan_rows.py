@@ -56,6 +56,7 @@ __all__ = (
     "local_multiple_of",
     "one_packed_row",
     "row_padding",
+    "rows_per_micro_batch",
 )
 
 
@@ -244,11 +245,20 @@ def local_multiple_of(tp_degree: int, loss_fn: Any) -> int:
     return math.lcm(tp_degree, loss_fn.num_chunks if chunked else 1)
 
 
+def rows_per_micro_batch(config: Any) -> int:
+    """The rows of one training micro-batch: ``training.local_batch_size``, or with a pipeline
+    ``parallelism.pipeline_parallel_microbatch_size`` (torchtitan's dataloader then reads that many at a time)."""
+    if config.parallelism.pipeline_parallel_degree > 1:
+        return config.parallelism.pipeline_parallel_microbatch_size
+    return config.training.local_batch_size
+
+
 def row_padding(config: Any, cp_degree: int) -> int:
     """The padding tokens `CPGroups.shard` adds to every training micro-batch's packed row (`one_packed_row`), from
-    the job config alone: ``local_batch_size x seq_len`` up to a multiple of ``cp x local_multiple_of``."""
+    the job config alone: its rows (`rows_per_micro_batch`) x ``seq_len`` up to a multiple of ``cp x
+    local_multiple_of``."""
     multiple = cp_degree * local_multiple_of(config.parallelism.tensor_parallel_degree, config.loss)
-    return -(config.training.local_batch_size * config.training.seq_len) % multiple
+    return -(rows_per_micro_batch(config) * config.training.seq_len) % multiple
 
 
 def as_config(config_type: type, base: Any, **extra: Any) -> Any:

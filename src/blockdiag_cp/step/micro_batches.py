@@ -31,17 +31,28 @@ micro-batches; a schedule whose chunk spec splits its inputs along another dimen
 batch's (each micro-batch must be whole packed rows: one split along the sequence cuts documents
 apart); micro-batches of different local lengths (torch's stages take one shape); a stage bound
 twice; and stages of one pipeline whose micro-batches differ (other rows or documents, another CP
-rank, another length): a stage that dropped or replaced the documents. A forward whose row does not
-have the step's local length (one row per micro-batch) is refused on the stage that receives it. When the
-schedule's step is over, a micro-batch that no rank of the pipeline reached through the library is refused (Note [A
-step the model never reached]: one small all-reduce); a rank whose stages hold no token mixer (the embeddings
-alone, the head alone) reaches none and is not refused for it.
+rank, another length): a stage that dropped or replaced the documents.
+
+The schedule's micro-batch inputs are checked where torch hands them to the stages: inside ``with
+steps(schedule):`` the schedule's ``_step_microbatches`` (every ``step`` and ``eval`` of every torch
+schedule goes through it, after splitting the whole-batch inputs, before any stage work: shape
+inference, sends, forwards) is, on the schedule instance, the same method after a check of the
+micro-batches this rank holds: ``M`` of them, each one packed row (the first stage's inputs
+``[1, L, ...]`` of this rank's local length, every keyword tensor and target ``[1, ...]``). Only the
+ranks of the first stage hold its inputs, so the verdict is agreed over the pipeline group (one small
+all-gather, Note [Ranks agree]): every rank of the pipeline raises, none waits for a stage that
+refused.
+
+When the schedule's step is over, a micro-batch that no rank of the pipeline reached through the
+library is refused (Note [A step the model never reached]: one small all-reduce); a rank whose stages
+hold no token mixer (the embeddings alone, the head alone) reaches none and is not refused for it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import zlib
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -72,6 +83,8 @@ STAGE_ACTIONS: Mapping[str, Optional[int]] = MappingProxyType({
 })
 #: the keyword names torch gives the micro-batch argument
 _CHUNK_KEYWORDS = ("fwd_chunk_id", "bwd_chunk_id")
+#: the schedule method every ``step`` / ``eval`` runs its split micro-batches through (Note [Binding ...])
+_SCHEDULE_INPUTS = "_step_microbatches"
 
 
 @dataclass(frozen=True)
@@ -191,6 +204,8 @@ def _bound(states: tuple[StepState, ...], schedule: Any) -> Iterator[tuple[StepS
         for stage in stages:
             bound.append(stage)
             _bind_stage(stage, tickets)
+        bound.append(schedule)
+        setattr(schedule, _SCHEDULE_INPUTS, _checking_inputs(stages, states, getattr(schedule, _SCHEDULE_INPUTS)))
         yield states
     except BaseException:
         _unbind(bound)
@@ -246,15 +261,23 @@ def _check_schedule(schedule: Any, stages: list, states: tuple[StepState, ...]) 
                              "context inside another on the same schedule)")
 
 
-def _agree_on_micro_batches(stages: list, states: tuple[StepState, ...], problem: Optional[Exception]) -> None:
-    """Every rank of the pipeline group holds the same micro-batches (rows, documents, CP rank, local length),
-    or every rank raises (Note [Ranks agree]): the documents reached every stage alike."""
-    group = getattr(stages[0], "group", None)
+def _pipeline_group(stages: list, states: tuple[StepState, ...], problem: Optional[Exception]) -> Any:
+    """The pipeline's process group to agree over (Note [Ranks agree]); None where ranks do not agree (no
+    process group, or ``check_ranks_agree=False``), after raising this rank's `problem` there."""
     if not dist.is_initialized() or not all(s.config.check_ranks_agree for s in states):
         if problem is not None:
             raise problem
+        return None
+    group = getattr(stages[0], "group", None)
+    return dist.group.WORLD if group is None else group
+
+
+def _agree_on_micro_batches(stages: list, states: tuple[StepState, ...], problem: Optional[Exception]) -> None:
+    """Every rank of the pipeline group holds the same micro-batches (rows, documents, CP rank, local length),
+    or every rank raises (Note [Ranks agree]): the documents reached every stage alike."""
+    group = _pipeline_group(stages, states, problem)
+    if group is None:
         return
-    group = dist.group.WORLD if group is None else group
     docs = zlib.crc32(b"".join(s.geometry.doc_ids.to(torch.long).cpu().numpy().tobytes() for s in states))
     fingerprint = [len(states), states[0].local_len, states[0].rank, states[0].world, docs,
                    zlib.crc32(repr(states[0].config).encode())]
@@ -269,32 +292,48 @@ def _agree_on_micro_batches(stages: list, states: tuple[StepState, ...], problem
 
 def _bind_stage(stage: Any, tickets: list[StepTicket]) -> None:
     """Each of `stage`'s `STAGE_ACTIONS` becomes, on the instance, a turn of its micro-batch's step."""
-    local_len = tickets[0].state.local_len
     for name, where in STAGE_ACTIONS.items():
         method = getattr(stage, name, None)
         if method is not None:
-            setattr(stage, name, _as_turn(stage, name, where, method, tickets, local_len))
+            setattr(stage, name, _as_turn(stage, where, method, tickets))
 
 
-def _unbind(stages: list) -> None:
-    for stage in stages:
-        for name in STAGE_ACTIONS:
-            vars(stage).pop(name, None)
+def _unbind(bound: list) -> None:
+    """The stages' and the schedule's methods are their classes' again."""
+    for obj in bound:
+        for name in (*STAGE_ACTIONS, _SCHEDULE_INPUTS):
+            vars(obj).pop(name, None)
 
 
-def _as_turn(stage: Any, name: str, where: Optional[int], method, tickets: list[StepTicket], local_len: int):
-    """`method` (a stage's ``name``) run as a turn of its micro-batch's step."""
+def _as_turn(stage: Any, where: Optional[int], method, tickets: list[StepTicket]):
+    """`method` (one of a stage's `STAGE_ACTIONS`) run as a turn of its micro-batch's step."""
     @functools.wraps(method)
     def turn(*args, **kwargs):
         index = _micro_batch(where, args, kwargs)
         if not 0 <= index < len(tickets):
             raise ValueError(f"stage {stage.stage_index} ran micro-batch {index} of {len(tickets)}")
-        if name in ("forward_one_chunk", "_prepare_forward_infra"):
-            _refuse_row(stage, args[1] if len(args) > 1 else kwargs.get("args"),
-                        args[2] if len(args) > 2 else kwargs.get("kwargs"), local_len)
         with STEP_SLOT.turn(tickets[index]):
             return method(*args, **kwargs)
     return turn
+
+
+def _checking_inputs(stages: list, states: tuple[StepState, ...], method):
+    """The schedule's `_SCHEDULE_INPUTS` method (``(arg_mbs, kwarg_mbs, target_mbs, ...)``, the split
+    micro-batches), run after every rank of the pipeline agreed that they are one packed row each (Note
+    [Binding ...]: before any stage work, so no rank waits for a stage that refused)."""
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def step_microbatches(*args, **kwargs):
+        given = signature.bind_partial(*args, **kwargs).arguments
+        problem = _inputs_problem(stages, len(states), states[0].local_len, given.get("arg_mbs"),
+                                  given.get("kwarg_mbs"), given.get("target_mbs"))
+        group = _pipeline_group(stages, states, problem)
+        if group is not None:
+            gather_fingerprints(group, stages[0].device, (), problem, "micro-batch inputs",
+                                ranks="pipeline rank(s) {}")
+        return method(*args, **kwargs)
+    return step_microbatches
 
 
 def _micro_batch(where: Optional[int], args: tuple, kwargs: dict) -> int:
@@ -309,13 +348,25 @@ def _micro_batch(where: Optional[int], args: tuple, kwargs: dict) -> int:
     return int(named[0])
 
 
-def _refuse_row(stage: Any, args: Any, kwargs: Any, local_len: int) -> None:
-    """`ValueError` unless a forward's inputs are one packed row: the first stage's ``[1, L, ...]``, every
-    keyword tensor ``[1, ...]`` (a stage after the first gets the previous stage's output)."""
-    inputs = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)] if stage.is_first else []
-    bad = [tuple(t.shape) for t in inputs if t.dim() < 2 or t.shape[0] != 1 or t.shape[1] != local_len]
-    bad += [tuple(t.shape) for t in tree_leaves(kwargs) if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] != 1]
-    if bad:
-        raise ValueError(f"stage {stage.stage_index} got a micro-batch shaped {bad}: each micro-batch must be one "
-                         f"packed row of this rank's {local_len} positions ([1, {local_len}, ...]); stack one row per "
-                         "micro-batch along dimension 0 (make_cp_pipeline_batch_and_ctx's batch)")
+def _inputs_problem(stages: list, count: int, local_len: int, arg_mbs: Any, kwarg_mbs: Any,
+                    target_mbs: Any) -> Optional[ValueError]:
+    """This rank's objection to a schedule step's micro-batches (None if they are one packed row each): `count`
+    of each list given; the first stage's inputs ``[1, L, ...]`` (only a rank holding it has them: the other
+    stages get the previous stage's output), every keyword tensor and target ``[1, ...]``."""
+    lists = {"arg_mbs": arg_mbs, "kwarg_mbs": kwarg_mbs, "target_mbs": target_mbs}
+    miscounted = {name: len(mbs) for name, mbs in lists.items() if mbs is not None and len(mbs) != count}
+    if miscounted:
+        return ValueError(f"the schedule step was given {miscounted} micro-batches, not {count}: one step per "
+                          "micro-batch")
+    first = any(stage.is_first for stage in stages)
+    for k in range(count):
+        inputs = [t for t in tree_leaves(arg_mbs[k]) if isinstance(t, torch.Tensor)] if first and arg_mbs else []
+        bad = [tuple(t.shape) for t in inputs if t.dim() < 2 or t.shape[0] != 1 or t.shape[1] != local_len]
+        rest = (kwarg_mbs[k] if kwarg_mbs else None, target_mbs[k] if target_mbs else None)
+        bad += [tuple(t.shape) for t in tree_leaves(rest) if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] != 1]
+        if bad:
+            return ValueError(
+                f"micro-batch {k} of stage(s) {[s.stage_index for s in stages]} is shaped {bad}: each micro-batch "
+                f"must be one packed row of this rank's {local_len} positions ([1, {local_len}, ...]); stack one "
+                "row per micro-batch along dimension 0 (make_cp_pipeline_batch_and_ctx's batch)")
+    return None
