@@ -273,6 +273,9 @@ def yaml_of(**changes) -> dict:
     ({"fsdp_version": 1, "fsdp_config": {"auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}}, "fsdp_version"),
     ({"fsdp_version": 2, "fsdp_config": {"offload_params": True}}, "offload_params"),
     ({"fsdp_version": 2, "fsdp_config": {"fsdp_offload_params": True}}, "offload_params"),
+    ({"fsdp_version": 2, "fsdp": ["full_shard", "offload"], "fsdp_config": {"reshard_after_forward": True}}, "offload"),
+    ({"fsdp_version": 2, "fsdp": "hybrid_shard auto_wrap", "fsdp_config": {"reshard_after_forward": True}},
+     "hybrid_shard"),
     ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
     ({"dp_shard_size": 2}, "dp_shard_size"),
     ({"chunked_cross_entropy": True}, "chunked_cross_entropy"),
@@ -291,6 +294,7 @@ def test_what_the_plugin_verified_registers(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     for changes in ({}, {"adapter": "lora"},
                     {"deepspeed": ZERO2}, {"deepspeed": ZERO3}, fsdp2("llama"),
+                    {**fsdp2("qwen3"), "fsdp": ["full_shard", "auto_wrap"]},
                     {"fsdp_version": None, "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP",
                                                            "fsdp_state_dict_type": "SHARDED_STATE_DICT"}},
                     {"plugins": [CP_PLUGIN]}, {"tensor_parallel_size": 1, "gradient_checkpointing": True}):

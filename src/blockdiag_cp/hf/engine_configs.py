@@ -38,7 +38,7 @@ def deepspeed_problem(config: Any) -> str:
 
     Verified (`ZERO_TESTS`): ZeRO stages 1, 2 and 3 with fp32 or bf16 weights, gradient accumulation, gradient
     clipping, DeepSpeed's or the Trainer's optimizer and schedule; ZeRO-2 with the optimizer offloaded to the CPU
-    (``offload_optimizer``: tests/stacks/test_axolotl.py). Set to anything but off, each key of
+    (``offload_optimizer``: tests/stacks/test_axolotl.py; at other stages or to NVMe it is named). Set to anything but off, each key of
     `_DEEPSPEED_UNVERIFIED` is named."""
     if config is None or config == "":
         return ""  # no DeepSpeed
@@ -54,6 +54,10 @@ def deepspeed_problem(config: Any) -> str:
     stage = zero.get("stage", 0)
     if stage not in (1, 2, 3):
         return f"zero_optimization.stage={stage!r}: ZeRO stages 1, 2 and 3 are verified under CP"
+    offload = config.get("offload_optimizer", zero.get("offload_optimizer"))
+    if _deepspeed_feature_on("offload_optimizer", offload) and (stage != 2 or offload.get("device") != "cpu"):
+        return (f"offload_optimizer={offload!r} at ZeRO stage {stage} is not verified under CP (ZeRO-2 with the "
+                "optimizer offloaded to the CPU is): offload at stage 2 to the CPU, or keep the optimizer on the device")
     for key, why in _DEEPSPEED_UNVERIFIED.items():
         value = config.get(key, zero.get(key))
         if _deepspeed_feature_on(key, value):

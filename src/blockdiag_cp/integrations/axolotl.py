@@ -154,6 +154,10 @@ def refusal(cfg: Mapping[str, Any]) -> Optional[str]:
     return None
 
 
+#: the items of axolotl's ``fsdp:`` list that FSDP2 runs as verified (sharded after forward or not, any wrap policy)
+_FSDP_MODES_VERIFIED = ("full_shard", "shard_grad_op", "auto_wrap")
+
+
 def _fsdp_problem(cfg: Mapping[str, Any]) -> str:
     """What in the YAML's FSDP settings is not verified under the plugin (the mixin's `fsdp_config_problem` on
     axolotl's ``fsdp_config`` as transformers will read it: ``fsdp_`` prefixes dropped, the version in it), or ``""``."""
@@ -162,6 +166,11 @@ def _fsdp_problem(cfg: Mapping[str, Any]) -> str:
         return ""
     if not isinstance(config, Mapping):
         return f"fsdp_config of type {type(config).__name__}: pass axolotl's fsdp_config mapping"
+    modes = cfg.get("fsdp") or []
+    modes = modes.split() if isinstance(modes, str) else [str(mode) for mode in modes]
+    unverified = [mode for mode in modes if mode not in _FSDP_MODES_VERIFIED]
+    if unverified:  # transformers turns ``offload`` into cpu_offload, ``hybrid_shard`` into HSDP
+        return f"fsdp: {unverified} is not verified under the plugin (only {list(_FSDP_MODES_VERIFIED)})"
     config = {key.removeprefix("fsdp_"): value for key, value in config.items()}
     inner = config.pop("version", None)
     version = cfg.get("fsdp_version") or inner or 1  # axolotl's default: FSDP1
