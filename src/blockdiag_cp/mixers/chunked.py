@@ -35,8 +35,8 @@ gradients of the decay parameters (``A_log``, ``dt_bias``, Gated DeltaNet's ``a`
 were off by about 1e-4 relative from float64, on one rank and per document alike, and two
 runs that cut chunks at different places (CP pieces) differed by as much. So the exponent is
 summed over the tokens between (`_segment_sums`: ``sum g[j+1 .. i]``, one masked cumulative
-sum per chunk, ``C^2`` adds as the ``C^2`` exps already are), and ``c_last - c_j`` is its last
-row: rounding stays relative to the exponent itself, and each ``g_m``'s gradient is one sum of
+sum per chunk, ``C^2`` adds as the ``C^2`` exps already are), and ``c_last - c_j`` its last
+row, summed on its own (`_sums_to_end`, so no ``C x C`` buffer outlives the exps): rounding stays relative to the exponent itself, and each ``g_m``'s gradient is one sum of
 the terms that contain it. Those gradients are then within the token loop's own float32 error
 (`tests/distributed/test_mixer_recurrence.py`; a tiny Qwen3.5 in float32: about 5e-7 relative
 from float64 on one rank, at cp 2 and cp 3 alike; transformers' torch path, which forms the
@@ -94,16 +94,15 @@ def chunked_gated_delta_rule(
     n = (T + pad) // chunk
     q, k, v = (x.reshape(B, Hv, n, chunk, -1) for x in (q, k, v))
     g = g.reshape(B, Hv, n, chunk)
-    c, between = g.cumsum(-1), _segment_sums(g)
+    c, to_end = g.cumsum(-1), _sums_to_end(g)  # to_end: c_last - c_j
     beta = beta.reshape(B, Hv, n, chunk, 1)
-    decay = between.exp()  # exp(c_i - c_j), i >= j (Note [Decays between tokens, summed between them])
+    decay = _segment_sums(g).exp()  # exp(c_i - c_j), i >= j (Note [Decays between tokens, summed between them])
     system = ((beta * k) @ k.transpose(-1, -2) * decay).tril(-1)  # A, strictly lower
     eye = torch.eye(chunk, dtype=dtype, device=q.device)
     u = torch.linalg.solve_triangular(eye + system, beta * v, upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(eye + system, beta * k * c.exp().unsqueeze(-1), upper=False, unitriangular=True)
     state = q.new_zeros((B, Hv, k.shape[-1], dv)) if initial_state is None else initial_state.to(dtype)
     outputs = []
-    to_end = between[..., -1, :]  # c_last - c_j
     for qi, ki, ci, ui, wi, di, ei in zip(*(t.unbind(2) for t in (q, k, c, u, w, decay, to_end))):  # unbind: a linear backward
         v_new = ui - wi @ state
         attn = (qi @ ki.transpose(-1, -2)) * di
@@ -146,12 +145,11 @@ def chunked_ssd(
     n = (T + pad) // chunk
     xdt, B, C = (t.reshape(Bt, H, n, chunk, -1) for t in (xdt, B, C))
     a = a.reshape(Bt, H, n, chunk)
-    c, between = a.cumsum(-1), _segment_sums(a)
-    decay = between.exp()  # exp(c_i - c_j), i >= j (Note [Decays between tokens, summed between them])
+    c, to_end = a.cumsum(-1), _sums_to_end(a)  # to_end: c_last - c_j
+    decay = _segment_sums(a).exp()  # exp(c_i - c_j), i >= j (Note [Decays between tokens, summed between them])
     inside = ((C @ B.transpose(-1, -2)) * decay) @ xdt  # [Bt, H, n, chunk, P]
     state = x.new_zeros((Bt, H, P, B.shape[-1])) if initial_state is None else initial_state.to(dtype)
     outputs = []
-    to_end = between[..., -1, :]  # c_last - c_j
     for ci, inside_i, Ci, xdt_i, Bi, ei in zip(*(t.unbind(2) for t in (c, inside, C, xdt, B, to_end))):  # unbind: a linear backward
         outputs.append(inside_i + ci.exp().unsqueeze(-1) * (Ci @ state.transpose(-1, -2)))
         last = ci[..., -1:]
@@ -169,6 +167,12 @@ def _segment_sums(g: torch.Tensor) -> torch.Tensor:
     # [..., m, j] = g_m where m > j, else 0; summed over m up to i
     sums = g.unsqueeze(-1).expand(*g.shape, C).masked_fill(lower.T, 0).cumsum(-2)
     return sums.masked_fill(~lower, float("-inf"))
+
+
+def _sums_to_end(g: torch.Tensor) -> torch.Tensor:
+    """``[..., C]``: ``sum g[j+1 .. C-1]`` at ``j`` (``g [..., C]``), the last row of `_segment_sums` without
+    its ``[..., C, C]`` buffer."""
+    return torch.nn.functional.pad(g[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))
 
 
 def _chunk_for(T: int, chunk: int) -> int:
