@@ -125,6 +125,7 @@ ZERO3 = {"zero_optimization": {"stage": 3}}
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer="),
     ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, "at ZeRO stage 1"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}, "offload_optimizer="),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": True}}, "offload_optimizer=True"),
     ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "zero_quantized_weights=True"),
     ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, "zero_hpz_partition_size=2"),
     ({**ZERO3, "curriculum_learning": {"enabled": True}}, "curriculum_learning="),

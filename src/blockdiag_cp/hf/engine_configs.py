@@ -55,7 +55,8 @@ def deepspeed_problem(config: Any) -> str:
     if stage not in (1, 2, 3):
         return f"zero_optimization.stage={stage!r}: ZeRO stages 1, 2 and 3 are verified under CP"
     offload = config.get("offload_optimizer", zero.get("offload_optimizer"))
-    if _deepspeed_feature_on("offload_optimizer", offload) and (stage != 2 or offload.get("device") != "cpu"):
+    device = offload.get("device") if isinstance(offload, dict) else offload
+    if _deepspeed_feature_on("offload_optimizer", offload) and (stage != 2 or device != "cpu"):
         return (f"offload_optimizer={offload!r} at ZeRO stage {stage} is not verified under CP (ZeRO-2 with the "
                 "optimizer offloaded to the CPU is): offload at stage 2 to the CPU, or keep the optimizer on the device")
     for key, why in _DEEPSPEED_UNVERIFIED.items():
