@@ -26,19 +26,19 @@ token loop in float64). It computes in the input dtype (float32 for half precisi
 Note [Decays between tokens, summed between them]
 -------------------------------------------------
 Both kernels weigh token ``j``'s contribution to token ``i`` of a chunk by ``exp(c_i - c_j)``.
-Formed as a difference of the cumulative sums, it carries their rounding: ``|c| eps`` absolute,
-and ``|c|`` grows along the chunk (a log-decay of -20 per token is common: 64 tokens make
--1280, so ``c_i - c_j`` is off by about 1e-4 in float32). Autograd then forms each ``g_m``'s
-gradient as ``+`` the terms with ``m <= i`` minus those with ``m <= j``: two sums that cancel
-to the terms where ``j < m <= i``, so that rounding comes back amplified: in float32 the
-gradients of the decay parameters (``A_log``, ``dt_bias``, Gated DeltaNet's ``a`` projection)
-were off by about 1e-4 relative from float64, on one rank and per document alike, and two
-runs that cut chunks at different places (CP pieces) differed by as much. So the exponent is
-summed over the tokens between (`_segment_sums`: ``sum g[j+1 .. i]``, one masked cumulative
-sum per chunk, ``C^2`` adds as the ``C^2`` exps already are), and ``c_last - c_j`` its last
-row, summed on its own (`_sums_to_end`, so no ``C x C`` buffer outlives the exps): rounding stays relative to the exponent itself, and each ``g_m``'s gradient is one sum of
-the terms that contain it. Those gradients are then within the token loop's own float32 error
-(`tests/distributed/test_mixer_recurrence.py`; a tiny Qwen3.5 in float32: about 5e-7 relative
+Formed as a difference of the cumulative sums, it carries their rounding: ``|c| eps`` absolute, and
+``|c|`` grows along the chunk (a log-decay of -20 per token is common: 64 tokens make -1280, so
+``c_i - c_j`` is off by about 1e-4 in float32). Autograd then forms each ``g_m``'s gradient as ``+``
+the terms with ``m <= i`` minus those with ``m <= j``: two sums that cancel to the terms where
+``j < m <= i``, so that rounding comes back amplified: in float32 the gradients of the decay parameters
+(``A_log``, ``dt_bias``, Gated DeltaNet's ``a`` projection) were off by about 1e-4 relative from
+float64, on one rank and per document alike, and two runs that cut chunks at different places (CP
+pieces) differed by as much. So the exponent is summed over the tokens between (`_segment_sums`:
+``sum g[j+1 .. i]``, one masked cumulative sum per chunk, ``C^2`` adds as the ``C^2`` exps already
+are), and ``c_last - c_j`` its last row, summed on its own (`_sums_to_end`, so no ``C x C`` buffer
+outlives the exps): rounding stays relative to the exponent itself, and each ``g_m``'s gradient is
+one sum of the terms that contain it. Those gradients are then within the token loop's own float32
+error (`tests/distributed/test_mixer_recurrence.py`; a tiny Qwen3.5 in float32: about 5e-7 relative
 from float64 on one rank, at cp 2 and cp 3 alike; transformers' torch path, which forms the
 difference, stays about 1e-4 off).
 
