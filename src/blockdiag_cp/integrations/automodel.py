@@ -57,7 +57,7 @@ from typing import Any, Callable, ContextManager, Optional
 
 import torch
 
-from ..config import CPConfig
+from ..config import ENTRY_LAYOUT, CPConfig
 from ..errors import CPTypeError
 from ..hf.interface import ATTN_IMPLEMENTATION
 from ..step.batch import make_cp_blockdiag_batch_and_ctx
@@ -76,7 +76,7 @@ __all__ = (
 )
 
 #: the layout AutoModel's models get unless configured: the library's own entries plan ``balanced``
-DEFAULT_LAYOUT = "balanced"
+DEFAULT_LAYOUT = ENTRY_LAYOUT
 #: batch keys the step shards for AutoModel's loss and MoE code that the model call must not get inside a step
 STEP_METADATA_KEYS = ("padding_mask", "_packed_seq_ids", "loss_mask")
 #: AutoModel backends whose attention goes through transformers' attention interface (so through this library)

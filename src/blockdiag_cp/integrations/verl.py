@@ -55,7 +55,7 @@ import torch
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 
-from ..config import CPConfig
+from ..config import ENTRY_LAYOUT, CPConfig
 from ..errors import InvariantError
 from ..hf import ATTN_IMPLEMENTATION, prepare_model
 from ..step.batch import make_cp_blockdiag_batch_and_ctx
@@ -216,7 +216,7 @@ class _PerDocumentCP:
         cp_mesh: verl's ``sp`` mesh dimension, the CP group (None at cp 1).
     """
 
-    cp_config: CPConfig = CPConfig(layout="balanced")
+    cp_config: CPConfig = CPConfig(layout=ENTRY_LAYOUT)
 
     def __init__(self, model_config: Any, engine_config: Any, *args: Any, **kwargs: Any) -> None:
         problem = refusal(engine_config, model_config)
