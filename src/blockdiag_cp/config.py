@@ -103,6 +103,7 @@ class CPConfig:
             ``"contiguous"`` (its callers may shard their own tensors the same way); the
             library's own entries given no config use `ENTRY_LAYOUT` (``"balanced"``: the
             Trainer mixin and its DPO/GRPO scoring forwards, `make_cp_vlm_batch_and_ctx`,
+            `make_cp_pipeline_batch_and_ctx`,
             ``blockdiag-cp demo``, the examples), except the whole-batch step
             (`make_cp_world_batch_and_ctx`, the mixin's ``whole_batch=True``): ``"grouped"``.
         check_ranks_agree: at step start, verify with one small collective that

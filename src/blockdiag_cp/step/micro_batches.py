@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
-from ..config import CPConfig
+from ..config import ENTRY_LAYOUT, CPConfig
 from ..errors import CPTypeError, ensure
 from ..parallel.agree import gather_fingerprints
 from .batch import make_cp_blockdiag_batch_and_ctx
@@ -124,7 +124,9 @@ def make_cp_pipeline_batch_and_ctx(
     """The rows of one pipeline schedule step, each a micro-batch: ``(steps, batch)``.
 
     Args:
-        cp_mesh, tp_mesh, padding_token_id, config, seq_dims: as `make_cp_blockdiag_batch_and_ctx`.
+        cp_mesh, tp_mesh, padding_token_id, seq_dims: as `make_cp_blockdiag_batch_and_ctx`.
+        config: every micro-batch's `CPConfig`; None: ``CPConfig(layout=ENTRY_LAYOUT)`` (balanced, as the
+            library's other own entries; the rule: `CPConfig.layout`).
         rows: ``M`` packed rows (``M`` = the schedule's ``n_microbatches``), each a batch as
             `make_cp_blockdiag_batch_and_ctx` takes it (``input_ids [1, S]`` or ``inputs_embeds [1, S, E]``,
             ``_packed_seq_ids``, ``labels``, ...), all of one length ``S``. Not mutated.
@@ -139,7 +141,7 @@ def make_cp_pipeline_batch_and_ctx(
             change with the row; torch's stages take one shape): before any work.
     """
     rows = list(rows)
-    config = CPConfig() if config is None else config
+    config = CPConfig(layout=ENTRY_LAYOUT) if config is None else config
     _refuse_rows(rows, config)
     ctxs, shards = [], []
     for row in rows:
